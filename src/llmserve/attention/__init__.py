@@ -1,0 +1,15 @@
+from llmserve.attention.backend import (
+    AttentionBackend,
+    AttentionContext,
+    get_attention_backend,
+    list_attention_backends,
+)
+from llmserve.attention.layer import Attention
+
+__all__ = [
+    "Attention",
+    "AttentionBackend",
+    "AttentionContext",
+    "get_attention_backend",
+    "list_attention_backends",
+]

@@ -1,0 +1,82 @@
+"""The attention-backend interface between models and the paged KV cache.
+
+A model never sees the KV cache. Its ``Attention`` layers hand ``q``, ``k`` and ``v`` of the
+step's flattened tokens to the backend in the ``AttentionContext`` the runner passes down;
+the backend writes the new keys and values into the cache and attends over each sequence's
+context. Backends are chosen by name from a small registry.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+
+@dataclass
+class BatchLayout:
+    """What the runner knows about the step's flattened batch; plain tensors and ints.
+
+    Token ``t`` of the batch belongs to sequence ``b`` with ``query_start_loc[b] <= t <
+    query_start_loc[b + 1]``.
+    """
+
+    slot_mapping: torch.Tensor  # [T] int64: cache slot (block_id * block_size + offset)
+    block_tables: torch.Tensor  # [B, max_blocks] int64: physical block ids, padded with 0
+    positions: torch.Tensor  # [T] int64: absolute position of each token
+    query_lens: list[int]  # [B] tokens computed this step, per sequence
+    seq_lens: list[int]  # [B] context length after this step, per sequence
+    block_size: int
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def build_metadata(self, layout: BatchLayout) -> Any:
+        """Derive once per step whatever the per-layer ``forward`` needs."""
+        ...
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], metadata: Any,
+                scale: float) -> torch.Tensor:
+        """``q``: [T, Hq, D]; ``k``, ``v``: [T, Hkv, D]; returns [T, Hq * D].
+
+        ``kv_cache`` is (key_cache, value_cache), each [num_blocks, block_size, Hkv, D].
+        """
+        ...
+
+
+@dataclass
+class AttentionContext:
+    """What a model's forward pass carries down to its attention layers for one step."""
+
+    backend: AttentionBackend
+    metadata: Any
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # one (K, V) pair per layer
+
+
+_BACKENDS: dict[str, type] = {}
+
+
+def register_attention_backend(name: str):
+    def wrap(cls: type) -> type:
+        _BACKENDS[name] = cls
+        cls.name = name
+        return cls
+
+    return wrap
+
+
+def get_attention_backend(name: str) -> AttentionBackend:
+    import llmserve.attention.torch_paged  # noqa: F401  (registers the built-in backend)
+
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose from {sorted(_BACKENDS)}")
+    return _BACKENDS[name]()
+
+
+def list_attention_backends() -> list[str]:
+    import llmserve.attention.torch_paged  # noqa: F401
+
+    return sorted(_BACKENDS)

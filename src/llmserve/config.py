@@ -1,0 +1,66 @@
+"""Frozen configuration, one dataclass per concern, validated at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from llmserve.models.loader import DEFAULT_MODEL
+
+SCHEDULING_MODES = ("continuous", "static")
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str = DEFAULT_MODEL
+    device: str = "cpu"
+    max_model_len: int | None = None  # default: the model's own context length
+
+    def __post_init__(self) -> None:
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    kv_cache_memory_gib: float | None = None  # default: see kv_cache.sizing
+    num_blocks: int | None = None  # overrides the memory budget (tests, benchmarks)
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.kv_cache_memory_gib is not None and self.kv_cache_memory_gib <= 0:
+            raise ValueError(f"kv_cache_memory must be > 0 GiB, got {self.kv_cache_memory_gib}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    scheduling: str = "continuous"
+    policy: str = "fcfs"
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1, "
+                             f"got {self.max_num_batched_tokens}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.scheduling not in SCHEDULING_MODES:
+            raise ValueError(f"scheduling must be one of {SCHEDULING_MODES}, "
+                             f"got {self.scheduling!r}")
+        if self.policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"policy must be one of {SCHEDULING_POLICIES}, got {self.policy!r}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    seed: int = 0

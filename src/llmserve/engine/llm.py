@@ -1,0 +1,150 @@
+"""The offline API, shaped like vLLM's: ``LLM(model=...).generate(prompts, params)``."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from llmserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from llmserve.engine.core import EngineCore
+from llmserve.engine.detokenizer import IncrementalDetokenizer
+from llmserve.models.loader import DEFAULT_MODEL
+from llmserve.outputs import CompletionOutput, RequestOutput
+from llmserve.sampling_params import SamplingParams
+
+Prompt = str | list[int] | dict[str, Any]
+Conversation = list[dict[str, Any]]
+
+
+class LLM:
+    """Generates for many prompts at once through the continuous-batching engine."""
+
+    def __init__(self, model: str = DEFAULT_MODEL, *, device: str = "cpu",
+                 max_model_len: int | None = None, block_size: int = 16,
+                 kv_cache_memory: float | None = None, num_kv_blocks: int | None = None,
+                 enable_prefix_caching: bool = True, max_num_batched_tokens: int = 2048,
+                 max_num_seqs: int = 64, scheduling: str = "continuous",
+                 policy: str = "fcfs", enable_chunked_prefill: bool = True,
+                 seed: int = 0) -> None:
+        config = EngineConfig(
+            model=ModelConfig(model=model, device=device, max_model_len=max_model_len),
+            cache=CacheConfig(block_size=block_size, kv_cache_memory_gib=kv_cache_memory,
+                              num_blocks=num_kv_blocks,
+                              enable_prefix_caching=enable_prefix_caching),
+            scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
+                                      max_num_seqs=max_num_seqs, scheduling=scheduling,
+                                      policy=policy,
+                                      enable_chunked_prefill=enable_chunked_prefill),
+            seed=seed,
+        )
+        self.engine = EngineCore(config)
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 *, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in the order of the prompts.
+
+        A prompt is a string, a list of token ids, or ``{"prompt_token_ids": [...]}``.
+        """
+        if isinstance(prompts, str | dict) or (
+                isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params = self._params_list(sampling_params, len(prompts))
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"priority has {len(priority)} entries for {len(prompts)} prompts")
+        encoded = [self._encode(p) for p in prompts]
+        outputs: dict[str, RequestOutput] = {}
+        order = []
+        try:
+            for i, ((text, ids), sp) in enumerate(zip(encoded, params)):
+                rid = str(next(self._ids))
+                self.engine.add_request(rid, ids, sp, priority=priority[i] if priority else 0)
+                outputs[rid] = RequestOutput(rid, text, ids,
+                                             [CompletionOutput(0, "", [])])
+                order.append(rid)
+            while self.engine.has_unfinished():
+                for out in self.engine.step():
+                    result = outputs[out.request_id]
+                    completion = result.outputs[0]
+                    completion.token_ids.extend(out.new_token_ids)
+                    if out.finished:
+                        completion.finish_reason = out.finish_reason
+                        completion.stop_reason = out.stop_reason
+                        result.finished = True
+                        result.num_cached_tokens = out.num_cached_tokens
+        except BaseException:
+            for rid in order:
+                self.engine.abort(rid)
+            raise
+        for rid, sp in zip(order, params):
+            completion = outputs[rid].outputs[0]
+            completion.text = self.tokenizer.decode(completion.token_ids,
+                                                    skip_special_tokens=sp.skip_special_tokens)
+        return [outputs[rid] for rid in order]
+
+    def chat(self, messages: Conversation | Sequence[Conversation],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
+             ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [{"prompt_token_ids": self.tokenizer.encode_chat(list(c)),
+                    "prompt": self.tokenizer.apply_chat_template(list(c))}
+                   for c in conversations]
+        return self.generate(prompts, sampling_params)
+
+    def stream(self, prompt_token_ids: list[int],
+               sampling_params: SamplingParams | None = None) -> Iterator[str]:
+        """Generate for one prompt, yielding text as soon as it is decided."""
+        params = sampling_params or SamplingParams()
+        rid = str(next(self._ids))
+        self.engine.add_request(rid, prompt_token_ids, params)
+        detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids,
+                                       params.skip_special_tokens)
+        try:
+            finished = False
+            while not finished and self.engine.has_unfinished():
+                for out in self.engine.step():
+                    if out.request_id != rid:
+                        continue
+                    delta = detok.add_tokens(out.new_token_ids)
+                    if delta:
+                        yield delta
+                    finished = out.finished
+            tail = detok.flush()
+            if tail:
+                yield tail
+        finally:
+            self.engine.abort(rid)
+
+    def _encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+            raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise TypeError(f"unsupported prompt type {type(prompt).__name__}")
+
+    @staticmethod
+    def _params_list(params: SamplingParams | Sequence[SamplingParams] | None,
+                     n: int) -> list[SamplingParams]:
+        if params is None:
+            return [SamplingParams()] * n
+        if isinstance(params, SamplingParams):
+            return [params] * n
+        params = list(params)
+        if len(params) != n:
+            raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
+        return params

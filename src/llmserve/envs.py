@@ -1,0 +1,22 @@
+"""Every environment variable llmserve reads, in one place.
+
+Imported by ``llmserve/__init__.py`` before torch, because the math library reads some of
+these once, when it is first loaded.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Intel MKL's "conditional numerical reproducibility" in strict mode makes each row of a
+# matrix product independent of how many rows are computed together. Without it, fp32
+# F.linear picks different kernels for different batch sizes and a request's logits would
+# depend on what else is in its batch. Users may override it (e.g. MKL_CBWR=AUTO for speed).
+os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
+
+LLMSERVE_LOG_LEVEL: str = os.environ.get("LLMSERVE_LOG_LEVEL", "INFO")
+# Where `llmserve` looks for extra named models (besides the embedded default).
+LLMSERVE_MODEL_DIR: str | None = os.environ.get("LLMSERVE_MODEL_DIR")
+# Never touch a model hub: set the hub libraries' offline switches for this process.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

@@ -1,0 +1,101 @@
+"""The architecture hyper-parameters a model class needs, from either source format."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Rotary position scaling. ``rope_type`` is "default", "linear" or "llama3"."""
+
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+    # Per-frequency divisors stored by GGUF files (``rope_freqs.weight``) in place of the
+    # Llama 3 parameters; when set, they replace the computed scaling.
+    freq_factors: tuple[float, ...] | None = None
+
+
+@dataclass(frozen=True)
+class ArchConfig:
+    architecture: str  # a registry key, e.g. "LlamaForCausalLM"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict[str, Any]) -> ArchConfig:
+        """Read a Hugging Face config.json (already parsed)."""
+        archs = cfg.get("architectures") or []
+        if not archs:
+            raise KeyError("architectures")
+        heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        arch = archs[0]
+        return cls(
+            architecture=arch,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_hidden_layers=int(cfg["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(_rope_theta(cfg)),
+            rope_scaling=_rope_scaling(cfg.get("rope_scaling") or cfg.get("rope_parameters")),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+
+def _rope_theta(cfg: dict[str, Any]) -> float:
+    if "rope_theta" in cfg:
+        return cfg["rope_theta"]
+    params = cfg.get("rope_parameters") or {}
+    return params.get("rope_theta", 10000.0)
+
+
+def _rope_scaling(raw: dict[str, Any] | None) -> RopeScaling:
+    if not raw:
+        return RopeScaling()
+    rope_type = raw.get("rope_type") or raw.get("type") or "default"
+    if rope_type not in ("default", "linear", "llama3"):
+        raise ValueError(f"unsupported rope scaling type {rope_type!r} (supported: linear, llama3)")
+    return RopeScaling(
+        rope_type=rope_type,
+        factor=float(raw.get("factor", 1.0)),
+        low_freq_factor=float(raw.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(raw.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(raw.get("original_max_position_embeddings", 8192)),
+    )

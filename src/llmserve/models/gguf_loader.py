@@ -1,0 +1,184 @@
+"""GGUF files: architecture config, weights and tokenizer metadata, all from the file.
+
+Tensors are read through the ``gguf`` package's memory map and dequantized one at a time
+(F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and the K-quants Q2_K..Q6_K, as far as the
+``gguf`` package supports them). llama.cpp's converter permutes the rows of Llama's q/k
+projections for its interleaved rotary layout; they are permuted back here, so the model
+code sees Hugging Face's layout.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from llmserve.errors import ModelLoadError
+from llmserve.models.arch_config import ArchConfig, RopeScaling
+from llmserve.models.registry import GGUF_ARCHITECTURES
+
+GGUF_MAGIC = b"GGUF"
+
+SUPPORTED_TENSOR_TYPES = (
+    "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
+    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+)
+
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+class GGUFFile:
+    """An opened, validated GGUF file."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self.reader = _open_reader(self.path)
+        self.metadata: dict[str, Any] = {}
+        for key, field in self.reader.fields.items():
+            if key.startswith("GGUF."):
+                continue
+            try:
+                self.metadata[key] = field.contents()
+            except Exception:  # a value type gguf cannot decode; never needed here
+                continue
+        self.gguf_arch = str(self.metadata.get("general.architecture", ""))
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.metadata.get(f"{self.gguf_arch}.{key}", default)
+
+    def arch_config(self) -> ArchConfig:
+        if self.gguf_arch not in GGUF_ARCHITECTURES:
+            supported = ", ".join(sorted(GGUF_ARCHITECTURES))
+            raise ModelLoadError(f"{self.path}: unsupported architecture "
+                                 f"{self.gguf_arch or '(none)'!r} (supported: {supported})")
+        try:
+            hidden = int(self.get("embedding_length"))
+            heads = int(self.get("attention.head_count"))
+            kv_heads = int(self.get("attention.head_count_kv", heads))
+            n_vocab = self.get("vocab_size") or len(self.metadata["tokenizer.ggml.tokens"])
+            head_dim = int(self.get("attention.key_length", hidden // heads))
+            scaling = RopeScaling()
+            if self.get("rope.scaling.type") == "linear":
+                scaling = RopeScaling("linear", float(self.get("rope.scaling.factor")))
+            tensor_names = {t.name for t in self.reader.tensors}
+            if "rope_freqs.weight" in tensor_names:
+                factors = next(t for t in self.reader.tensors if t.name == "rope_freqs.weight")
+                scaling = RopeScaling("llama3", freq_factors=tuple(
+                    float(x) for x in np.asarray(factors.data, dtype=np.float32)))
+            return ArchConfig(
+                architecture=GGUF_ARCHITECTURES[self.gguf_arch],
+                vocab_size=int(n_vocab),
+                hidden_size=hidden,
+                intermediate_size=int(self.get("feed_forward_length")),
+                num_hidden_layers=int(self.get("block_count")),
+                num_attention_heads=heads,
+                num_key_value_heads=kv_heads,
+                head_dim=head_dim,
+                max_position_embeddings=int(self.get("context_length", 4096)),
+                rms_norm_eps=float(self.get("attention.layer_norm_rms_epsilon", 1e-5)),
+                rope_theta=float(self.get("rope.freq_base", 10000.0)),
+                rope_scaling=scaling,
+                tie_word_embeddings="output.weight" not in tensor_names,
+                attention_bias="blk.0.attn_q.bias" in tensor_names,
+                bos_token_id=self.metadata.get("tokenizer.ggml.bos_token_id"),
+                eos_token_ids=_eos_ids(self.metadata),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise ModelLoadError(f"{self.path}: incomplete model metadata ({e})") from None
+
+    def weights(self, cfg: ArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (Hugging Face name, float32 tensor) pairs, dequantizing one at a time."""
+        from gguf import quants
+
+        permute_qk = self.gguf_arch in ("llama", "mistral")
+        for t in self.reader.tensors:
+            name = _hf_name(t.name)
+            if name is None:
+                continue
+            if t.tensor_type.name not in SUPPORTED_TENSOR_TYPES:
+                raise ModelLoadError(f"{self.path}: tensor {t.name} has unsupported type "
+                                     f"{t.tensor_type.name} (supported: "
+                                     f"{', '.join(SUPPORTED_TENSOR_TYPES)})")
+            array = quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+            shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists ne0 (columns) first
+            array = array.reshape(shape)
+            if permute_qk and name.endswith("q_proj.weight"):
+                array = _unpermute(array, cfg.num_attention_heads)
+            elif permute_qk and name.endswith("k_proj.weight"):
+                array = _unpermute(array, cfg.num_key_value_heads)
+            if not array.flags.writeable:  # a view of the read-only memory map
+                array = array.copy()
+            yield name, torch.from_numpy(np.ascontiguousarray(array))
+
+
+def is_gguf(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == GGUF_MAGIC
+    except OSError:
+        return False
+
+
+def _open_reader(path: Path):
+    from gguf import GGUFReader
+
+    if not is_gguf(path):
+        raise ModelLoadError(f"{path}: not a GGUF file (no GGUF magic at the start) and not a "
+                             "Hugging Face model directory")
+    try:
+        reader = GGUFReader(path, "r")
+    except Exception as e:
+        raise ModelLoadError(f"{path}: truncated or corrupt GGUF file "
+                             f"({type(e).__name__}: {e})") from None
+    size = path.stat().st_size
+    for t in reader.tensors:
+        end = int(t.data_offset) + int(t.n_bytes)
+        if end > size or t.data.nbytes != t.n_bytes:
+            raise ModelLoadError(f"{path}: truncated GGUF file: tensor {t.name} needs bytes up "
+                                 f"to {end}, the file has {size}")
+    return reader
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    parts = gguf_name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    if gguf_name.startswith("rope_freqs"):
+        return None  # Llama 3 frequency factors; recomputed from the scaling metadata
+    raise ModelLoadError(f"unexpected tensor {gguf_name!r} in GGUF file")
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation (interleaved -> rotate-half rotary layout)."""
+    rows = w.shape[0]
+    return (w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))
+
+
+def _eos_ids(meta: dict[str, Any]) -> tuple[int, ...]:
+    ids = []
+    for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"):
+        if key in meta:
+            ids.append(int(meta[key]))
+    return tuple(dict.fromkeys(ids))

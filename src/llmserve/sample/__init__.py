@@ -1,0 +1,3 @@
+from llmserve.sample.sampler import Sampler
+
+__all__ = ["Sampler"]

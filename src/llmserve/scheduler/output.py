@@ -1,0 +1,57 @@
+"""Plain data the scheduler hands to the runner, and its per-step statistics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from llmserve.sampling_params import SamplingParams
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step: compute ``token_ids`` at positions from ``start_pos``."""
+
+    request_id: str
+    token_ids: list[int]
+    start_pos: int
+    block_ids: list[int]  # the request's whole block table
+    sample: bool  # the step reaches the request's last known token: sample the next one
+    sampling_params: SamplingParams
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    num_batched_tokens: int = 0
+    preempted_req_ids: list[str] = field(default_factory=list)
+    # Requests that ended since the last step: the runner drops its state for them.
+    finished_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Sampled token per request that sampled this step."""
+
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    kv_usage: float
+    prefix_queries: int  # tokens looked up in the prefix cache (cumulative)
+    prefix_hits: int  # tokens found there (cumulative)
+    num_preemptions: int  # cumulative
+    num_scheduled_tokens: int  # in the last step
+    num_scheduled_seqs: int  # in the last step

@@ -1,0 +1,225 @@
+"""Continuous (iteration-level) batching over a per-step token budget.
+
+Each step: running requests first (decodes and unfinished prefill chunks), then waiting
+ones while budget, sequence slots and KV blocks last. A prompt longer than the budget left
+is cut into chunks computed over several steps, mixed with the decodes of others. When KV
+blocks run out, the most recently admitted running request (lowest priority first under
+the priority policy) is preempted by recompute: its blocks are freed and it goes back to
+the head of the waiting queue. The scheduler thinks only in "how many tokens does each
+request compute this step" and in block ids; it never touches a tensor.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import time
+
+from llmserve.config import SchedulerConfig
+from llmserve.engine.request import Request, RequestStatus
+from llmserve.kv_cache import KVCacheManager
+from llmserve.logger import get_logger
+from llmserve.scheduler.output import (
+    ModelRunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+    SchedulerStats,
+)
+
+logger = get_logger(__name__)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv_manager
+        self.static = config.scheduling == "static"
+        self.by_priority = config.policy == "priority"
+        self.requests: dict[str, Request] = {}
+        self.waiting: list[Request] = []  # admission order: head first
+        self.running: list[Request] = []  # admission order
+        # Static mode: the batch being formed; nothing else is admitted until it drains.
+        self._static_batch: list[Request] = []
+        self._finished_ids: set[str] = set()
+        self._seq = itertools.count()
+        self._order: dict[str, int] = {}
+        self.num_preemptions = 0
+        self._last_tokens = 0
+        self._last_seqs = 0
+
+    # ---- requests in and out ------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        self.requests[request.request_id] = request
+        self._order[request.request_id] = next(self._seq)
+        self._enqueue(self.waiting, request, front=False)
+
+    def abort(self, request_id: str) -> Request | None:
+        """End a request wherever it is and free its blocks at once."""
+        request = self.requests.get(request_id)
+        if request is None or request.is_finished:
+            return None
+        for queue in (self.running, self.waiting, self._static_batch):
+            if request in queue:
+                queue.remove(request)
+        request.status = RequestStatus.FINISHED_ABORTED
+        self._release(request)
+        return request
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running or self.waiting or self._static_batch)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting) + len(self._static_batch)
+
+    # ---- one step -----------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """1. Running requests in admission order, each up to the budget left; when blocks
+              run out, preempt from the tail until the request fits (or is itself preempted).
+           2. Only if nothing was preempted: admit from the queue head while the budget,
+              the sequence cap and the KV blocks allow, taking prefix-cache hits first.
+        """
+        budget = self.config.max_num_batched_tokens
+        out = SchedulerOutput(finished_req_ids=self._finished_ids)
+        self._finished_ids = set()
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if num_new <= 0:  # cannot happen while update() keeps pace; be safe
+                i += 1
+                continue
+            while self.kv.allocate_slots(req, num_new) is None:
+                victim = self._pick_victim(self.running[i:])
+                self._preempt(victim)
+                out.preempted_req_ids.append(victim.request_id)
+                if victim is req:
+                    break
+            if req.status != RequestStatus.RUNNING:
+                break  # it preempted itself: nothing after it in running remains
+            out.scheduled.append(self._schedule(req, num_new))
+            budget -= num_new
+            i += 1
+
+        queue = self._admission_queue()
+        while (not out.preempted_req_ids and queue and budget > 0
+               and len(self.running) < self.config.max_num_seqs):
+            req = queue[0]
+            hits, num_hit = [], 0
+            if req.num_computed_tokens == 0:
+                hits, num_hit = self.kv.get_computed_blocks(req)
+            num_new = req.num_tokens - num_hit
+            if not self.config.enable_chunked_prefill and num_new > budget:
+                break
+            num_new = min(num_new, budget)
+            if self.kv.allocate_slots(req, num_new, hits) is None:
+                break
+            queue.pop(0)
+            self.kv.record_prefix_lookup(req.num_tokens, num_hit)
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_hit
+                req.first_scheduled_time = time.monotonic()
+            req.status = RequestStatus.RUNNING
+            req.num_computed_tokens = num_hit
+            self.running.append(req)
+            out.scheduled.append(self._schedule(req, num_new))
+            budget -= num_new
+
+        out.num_batched_tokens = self.config.max_num_batched_tokens - budget
+        self._last_tokens = out.num_batched_tokens
+        self._last_seqs = len(out.scheduled)
+        return out
+
+    def update(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[Request]:
+        """Append sampled tokens, finish requests that stop; return the requests that got a
+        token (finished ones included)."""
+        changed = []
+        for item in sched.scheduled:
+            req = self.requests.get(item.request_id)
+            if req is None or req.is_finished or not item.sample:
+                continue  # aborted while the step ran, or a prefill chunk that samples nothing
+            req.append_output_token(result.sampled_token_ids[item.request_id])
+            if req.check_stop():
+                self.running.remove(req)
+                self._release(req)
+            changed.append(req)
+        return changed
+
+    def stats(self) -> SchedulerStats:
+        used = self.kv.num_blocks - self.kv.num_free_blocks
+        return SchedulerStats(
+            num_running=self.num_running,
+            num_waiting=self.num_waiting,
+            kv_blocks_used=used,
+            kv_blocks_total=self.kv.num_blocks,
+            kv_usage=self.kv.usage(),
+            prefix_queries=self.kv.prefix_queries,
+            prefix_hits=self.kv.prefix_hits,
+            num_preemptions=self.num_preemptions,
+            num_scheduled_tokens=self._last_tokens,
+            num_scheduled_seqs=self._last_seqs,
+        )
+
+    # ---- helpers ------------------------------------------------------------------------
+
+    def _schedule(self, req: Request, num_new: int) -> ScheduledRequest:
+        start = req.num_computed_tokens
+        req.num_computed_tokens += num_new
+        return ScheduledRequest(
+            request_id=req.request_id,
+            token_ids=req.all_token_ids[start:start + num_new],
+            start_pos=start,
+            block_ids=self.kv.get_block_ids(req.request_id),
+            sample=req.num_computed_tokens == req.num_tokens,
+            sampling_params=req.sampling_params,
+        )
+
+    def _admission_queue(self) -> list[Request]:
+        if not self.static:
+            return self.waiting
+        if not self.running and not self._static_batch:
+            take = self.config.max_num_seqs
+            self._static_batch, self.waiting = self.waiting[:take], self.waiting[take:]
+        return self._static_batch
+
+    def _pick_victim(self, candidates: list[Request]) -> Request:
+        if self.by_priority:
+            return max(candidates, key=lambda r: (r.priority, self._order[r.request_id]))
+        return candidates[-1]
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        queue = self._static_batch if self.static else self.waiting
+        self._enqueue(queue, req, front=True)
+        logger.info("preempted request %s (recompute %d tokens; %d blocks free of %d)",
+                    req.request_id, req.num_tokens, self.kv.num_free_blocks, self.kv.num_blocks)
+
+    def _enqueue(self, queue: list[Request], req: Request, front: bool) -> None:
+        if self.by_priority:
+            keys = [(r.priority, self._order[r.request_id]) for r in queue]
+            key = (req.priority, self._order[req.request_id])
+            queue.insert(bisect.bisect_left(keys, key), req)
+        elif front:
+            queue.insert(0, req)
+        else:
+            queue.append(req)
+
+    def _release(self, req: Request) -> None:
+        self.kv.free(req)
+        self._finished_ids.add(req.request_id)
+        del self.requests[req.request_id]
+        self._order.pop(req.request_id, None)

@@ -1,0 +1,3 @@
+from llmserve.tokenizer.tokenizer import Tokenizer
+
+__all__ = ["Tokenizer"]
