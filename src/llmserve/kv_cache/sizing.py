@@ -27,9 +27,9 @@ class KVCacheSpec:
 
 
 def default_kv_cache_memory_gib() -> float:
-    """A tenth of the memory available now, between 0.25 and 4 GiB."""
+    """A tenth of the memory available now, between 0.25 and 2 GiB."""
     available = psutil.virtual_memory().available / GIB
-    return max(0.25, min(4.0, 0.1 * available))
+    return max(0.25, min(2.0, 0.1 * available))
 
 
 def num_blocks_for_memory(spec: KVCacheSpec, memory_gib: float) -> int:

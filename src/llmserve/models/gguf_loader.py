@@ -19,6 +19,7 @@ import torch
 
 from llmserve.errors import ModelLoadError
 from llmserve.models.arch_config import ArchConfig, RopeScaling
+from llmserve.models.gguf_reader import GGUFFormatError, GGUFReader
 from llmserve.models.registry import GGUF_ARCHITECTURES
 
 GGUF_MAGIC = b"GGUF"
@@ -52,14 +53,7 @@ class GGUFFile:
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
         self.reader = _open_reader(self.path)
-        self.metadata: dict[str, Any] = {}
-        for key, field in self.reader.fields.items():
-            if key.startswith("GGUF."):
-                continue
-            try:
-                self.metadata[key] = field.contents()
-            except Exception:  # a value type gguf cannot decode; never needed here
-                continue
+        self.metadata: dict[str, Any] = self.reader.metadata
         self.gguf_arch = str(self.metadata.get("general.architecture", ""))
 
     def get(self, key: str, default: Any = None) -> Any:
@@ -82,8 +76,8 @@ class GGUFFile:
             tensor_names = {t.name for t in self.reader.tensors}
             if "rope_freqs.weight" in tensor_names:
                 factors = next(t for t in self.reader.tensors if t.name == "rope_freqs.weight")
-                scaling = RopeScaling("llama3", freq_factors=tuple(
-                    float(x) for x in np.asarray(factors.data, dtype=np.float32)))
+                values = self.reader.tensor_data(factors).view(np.float32).ravel()
+                scaling = RopeScaling("llama3", freq_factors=tuple(float(x) for x in values))
             return ArchConfig(
                 architecture=GGUF_ARCHITECTURES[self.gguf_arch],
                 vocab_size=int(n_vocab),
@@ -118,9 +112,9 @@ class GGUFFile:
                 raise ModelLoadError(f"{self.path}: tensor {t.name} has unsupported type "
                                      f"{t.tensor_type.name} (supported: "
                                      f"{', '.join(SUPPORTED_TENSOR_TYPES)})")
-            array = quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
-            shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists ne0 (columns) first
-            array = array.reshape(shape)
+            raw = self.reader.tensor_data(t)
+            array = quants.dequantize(raw, t.tensor_type).astype(np.float32, copy=False)
+            array = array.reshape(t.torch_shape)
             if permute_qk and name.endswith("q_proj.weight"):
                 array = _unpermute(array, cfg.num_attention_heads)
             elif permute_qk and name.endswith("k_proj.weight"):
@@ -138,24 +132,16 @@ def is_gguf(path: Path) -> bool:
         return False
 
 
-def _open_reader(path: Path):
-    from gguf import GGUFReader
-
+def _open_reader(path: Path) -> GGUFReader:
     if not is_gguf(path):
         raise ModelLoadError(f"{path}: not a GGUF file (no GGUF magic at the start) and not a "
                              "Hugging Face model directory")
     try:
-        reader = GGUFReader(path, "r")
-    except Exception as e:
-        raise ModelLoadError(f"{path}: truncated or corrupt GGUF file "
-                             f"({type(e).__name__}: {e})") from None
-    size = path.stat().st_size
-    for t in reader.tensors:
-        end = int(t.data_offset) + int(t.n_bytes)
-        if end > size or t.data.nbytes != t.n_bytes:
-            raise ModelLoadError(f"{path}: truncated GGUF file: tensor {t.name} needs bytes up "
-                                 f"to {end}, the file has {size}")
-    return reader
+        return GGUFReader(path)
+    except GGUFFormatError as e:
+        raise ModelLoadError(f"{path}: {e}") from None
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"{path}: corrupt GGUF file ({e})") from None
 
 
 def _hf_name(gguf_name: str) -> str | None:

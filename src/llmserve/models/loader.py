@@ -64,11 +64,7 @@ def load_model(model: str = DEFAULT_MODEL, device: str | torch.device = "cpu") -
         cfg, tokenizer, weights = _open_hf_dir(path)
     else:
         cfg, tokenizer, weights = _open_gguf(path)
-    try:
-        cls = get_model_class(cfg.architecture)
-    except KeyError:
-        raise ModelLoadError(f"{path}: unknown architecture {cfg.architecture!r} (supported: "
-                             f"{', '.join(supported_architectures())})") from None
+    cls = _model_class(path, cfg)
     with torch.device(device):
         net = cls(cfg)
     try:
@@ -77,6 +73,14 @@ def load_model(model: str = DEFAULT_MODEL, device: str | torch.device = "cpu") -
         raise ModelLoadError(f"{path}: weights do not match the configuration ({e})") from None
     net.eval()
     return LoadedModel(net, tokenizer, cfg, path, model)
+
+
+def _model_class(path: Path, cfg: ArchConfig) -> type[nn.Module]:
+    try:
+        return get_model_class(cfg.architecture)
+    except KeyError:
+        raise ModelLoadError(f"{path}: unknown architecture {cfg.architecture!r} (supported: "
+                             f"{', '.join(supported_architectures())})") from None
 
 
 def _open_gguf(path: Path) -> tuple[ArchConfig, Tokenizer, Iterator[tuple[str, torch.Tensor]]]:
@@ -102,6 +106,7 @@ def _open_hf_dir(path: Path) -> tuple[ArchConfig, Tokenizer, Iterator[tuple[str,
         raise ModelLoadError(f"{config_file}: missing or invalid field {e}") from None
     except ValueError as e:
         raise ModelLoadError(f"{config_file}: {e}") from None
+    _model_class(path, cfg)
     shards = sorted(path.glob("*.safetensors"))
     if not shards:
         raise ModelLoadError(f"{path}: no *.safetensors weights (pickled .bin checkpoints are "

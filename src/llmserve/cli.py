@@ -1,0 +1,138 @@
+"""Command line: ``llmserve generate | chat``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from llmserve.errors import LLMServeError
+from llmserve.models.loader import DEFAULT_MODEL
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "command", None):
+        parser.print_help()
+        return 2
+    try:
+        return args.func(args)
+    except (LLMServeError, ValueError) as e:
+        message = " ".join(str(e).split())  # always one line
+        print(f"llmserve: error: {message}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="llmserve", description="LLM inference server")
+    sub = parser.add_subparsers(dest="command")
+
+    gen = sub.add_parser("generate", help="generate an answer for one prompt and print it")
+    _add_engine_args(gen)
+    gen.add_argument("--prompt", required=True, help="the prompt (or user message)")
+    _add_sampling_args(gen)
+    gen.add_argument("--no-chat-template", action="store_true",
+                     help="send the prompt as raw text even if the model has a chat template")
+    gen.set_defaults(func=_cmd_generate)
+
+    chat = sub.add_parser("chat", help="interactive chat that streams tokens as they come")
+    _add_engine_args(chat)
+    _add_sampling_args(chat, max_tokens=512)
+    chat.add_argument("--system", default=None, help="system message")
+    chat.set_defaults(func=_cmd_chat)
+    return parser
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"GGUF file, Hugging Face model directory, or a known name "
+                        f"(default: {DEFAULT_MODEL})")
+    p.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1...)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="context window (default: the model's)")
+    p.add_argument("--kv-cache-memory", type=float, default=None, metavar="GIB",
+                   help="memory for the KV cache in GiB (default: a tenth of available RAM, "
+                        "0.25 to 2 GiB)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="token budget of one engine step")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="sequences per step at most")
+    p.add_argument("--scheduling", choices=["continuous", "static"], default="continuous",
+                   help="continuous batching, or static batches (a benchmark baseline)")
+    p.add_argument("--seed", type=int, default=0, help="engine seed")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 256) -> None:
+    p.add_argument("--max-tokens", type=int, default=max_tokens)
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--sampling-seed", type=int, default=None, help="seed of the request")
+
+
+def _make_llm(args: argparse.Namespace):
+    from llmserve.engine.llm import LLM
+
+    return LLM(args.model, device=args.device, max_model_len=args.max_model_len,
+               block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
+               enable_prefix_caching=not args.no_prefix_caching,
+               max_num_batched_tokens=args.max_num_batched_tokens,
+               max_num_seqs=args.max_num_seqs, scheduling=args.scheduling, seed=args.seed)
+
+
+def _sampling(args: argparse.Namespace):
+    from llmserve.sampling_params import SamplingParams
+
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                          top_p=args.top_p, top_k=args.top_k, seed=args.sampling_seed)
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    params = _sampling(args)
+    llm = _make_llm(args)
+    if llm.tokenizer.chat_template and not args.no_chat_template:
+        out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
+    else:
+        out = llm.generate(args.prompt, params)[0]
+    print(out.outputs[0].text)
+    return 0
+
+
+def _cmd_chat(args: argparse.Namespace) -> int:
+    params = _sampling(args)
+    llm = _make_llm(args)
+    tok = llm.tokenizer
+    history: list[dict[str, str]] = []
+    if args.system:
+        history.append({"role": "system", "content": args.system})
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print(f"llmserve chat on {args.model}. Empty line or Ctrl-D to quit; /reset clears.")
+    while True:
+        try:
+            line = input("> " if interactive else "")
+        except EOFError:
+            break
+        line = line.strip()
+        if not line or line in ("/exit", "/quit"):
+            break
+        if line == "/reset":
+            history = history[:1] if args.system else []
+            continue
+        history.append({"role": "user", "content": line})
+        ids = tok.encode_chat(history) if tok.chat_template else tok.encode(line)
+        answer = []
+        for delta in llm.stream(ids, params):
+            answer.append(delta)
+            print(delta, end="", flush=True)
+        print(flush=True)
+        history.append({"role": "assistant", "content": "".join(answer)})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

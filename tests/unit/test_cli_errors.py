@@ -1,0 +1,74 @@
+"""Bad --model values: one line on stderr naming the file, exit code 2, no traceback."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from gguf import GGUFWriter
+
+from llmserve.models.loader import DEFAULT_MODEL, resolve_model_path
+
+
+def _run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "llmserve.cli", *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+def _bad_models(tmp):
+    junk = tmp / "notes.gguf"
+    junk.write_text("this is not a model\n")
+    empty_dir = tmp / "empty"
+    empty_dir.mkdir()
+    unknown_hf = tmp / "neox"
+    unknown_hf.mkdir()
+    (unknown_hf / "config.json").write_text(json.dumps(
+        {"architectures": ["GPTNeoXForCausalLM"], "vocab_size": 10, "hidden_size": 8,
+         "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 1}))
+    (unknown_hf / "model.safetensors").write_bytes(b"")
+    unknown_gguf = tmp / "neox.gguf"
+    w = GGUFWriter(str(unknown_gguf), "gptneox")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    source = resolve_model_path(DEFAULT_MODEL).read_bytes()
+    header_cut = tmp / "header-cut.gguf"
+    header_cut.write_bytes(source[:200_000])
+    data_cut = tmp / "data-cut.gguf"
+    data_cut.write_bytes(source[:len(source) // 2])
+    return {
+        "missing": (tmp / "nope.gguf", "no such file or directory"),
+        "not-a-model": (junk, "not a GGUF file"),
+        "dir-without-config": (empty_dir, "no config.json"),
+        "unknown-arch-hf": (unknown_hf, "unknown architecture 'GPTNeoXForCausalLM'"),
+        "unknown-arch-gguf": (unknown_gguf, "unsupported architecture 'gptneox'"),
+        "truncated-header": (header_cut, "truncated GGUF file"),
+        "truncated-data": (data_cut, "truncated GGUF file"),
+    }
+
+
+CASES = ["missing", "not-a-model", "dir-without-config", "unknown-arch-hf", "unknown-arch-gguf",
+         "truncated-header", "truncated-data"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bad_model_gives_one_line_error_and_exit_2(tmp_path, case):
+    path, expected = _bad_models(tmp_path)[case]
+    proc = _run_cli("generate", "--model", str(path), "--prompt", "hi")
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert str(path) in lines[0]
+    assert expected in lines[0]
+    assert proc.stdout == ""
+
+
+@pytest.mark.slow
+def test_generate_answers_capital_of_france():
+    proc = _run_cli("generate", "--prompt", "What is the capital of France?", "--temperature", "0")
+    assert proc.returncode == 0, proc.stderr
+    assert "Paris" in proc.stdout

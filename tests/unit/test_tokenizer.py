@@ -1,0 +1,65 @@
+"""Tokenizer and chat template of the embedded model (read from its GGUF, no model weights)."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmserve.tokenizer.chat_template import ChatTemplateError, render_chat_template
+
+
+def test_special_tokens_and_end_of_turn(smol_tokenizer):
+    tok = smol_tokenizer
+    assert tok.token_to_id("<|im_end|>") == 2
+    assert 2 in tok.stop_token_ids  # <|im_end|> ends a turn
+    assert tok.eos_token == "<|im_end|>"
+    assert tok.encode("<|im_start|>") == [1]  # special tokens are atomic
+    assert tok.decode([1, 19556, 2]) == "Hello"  # and skipped on decode by default
+    assert tok.decode([1, 19556, 2], skip_special_tokens=False) == "<|im_start|>Hello<|im_end|>"
+
+
+@pytest.mark.parametrize("text", ["Hello world!", "naïve café 😀 你好", "x = 1234567\n\ty"])
+def test_encode_decode_round_trip(smol_tokenizer, text):
+    assert smol_tokenizer.decode(smol_tokenizer.encode(text)) == text
+
+
+def test_digits_are_split_individually(smol_tokenizer):
+    ids = smol_tokenizer.encode("12345")
+    assert len(ids) == 5
+
+
+def test_chat_template_renders_chatml_with_default_system(smol_tokenizer):
+    text = smol_tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert text == ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained "
+                    "by Hugging Face<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
+                    "<|im_start|>assistant\n")
+    ids = smol_tokenizer.encode_chat([{"role": "user", "content": "hi"}])
+    assert ids[0] == 1 and ids.count(2) == 2  # no extra BOS, two closed turns
+
+
+def test_chat_template_matches_jinja_reference_in_transformers(smol_tokenizer):
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
+                {"role": "assistant", "content": "4"}, {"role": "user", "content": "And 3+3?"}]
+    ours = smol_tokenizer.apply_chat_template(messages)
+    ref, _ = render_jinja_template(conversations=[messages],
+                                   chat_template=smol_tokenizer.chat_template,
+                                   add_generation_prompt=True)
+    assert ours == ref[0]
+
+
+def test_chat_template_is_sandboxed():
+    evil = "{{ messages.__class__.__mro__[1].__subclasses__() }}"
+    with pytest.raises(ChatTemplateError):
+        render_chat_template(evil, [{"role": "user", "content": "x"}])
+
+
+def test_chat_template_raise_exception_becomes_clear_error():
+    template = "{% if messages[0]['role'] != 'user' %}{{ raise_exception('user first') }}{% endif %}"
+    with pytest.raises(ChatTemplateError, match="user first"):
+        render_chat_template(template, [{"role": "assistant", "content": "x"}])
+
+
+def test_bad_messages_rejected():
+    with pytest.raises(ChatTemplateError, match="non-empty list"):
+        render_chat_template("{{ messages }}", [])
