@@ -41,18 +41,24 @@ class ModelRunner:
             self._generators.pop(rid, None)
         if sched.is_empty:
             return ModelRunnerOutput()
-        input_ids, layout, logits_rows = self._prepare(sched)
-        ctx = AttentionContext(self.backend, self.backend.build_metadata(layout), self.kv_caches)
-        hidden = self.model(input_ids, layout.positions, ctx)  # [T, hidden]
+        logits = self.forward_logits(sched)  # [N, vocab]
         sampling = [s for s in sched.scheduled if s.sample]
         if not sampling:
             return ModelRunnerOutput()
-        logits = self.model.compute_logits(hidden[logits_rows])  # [N, vocab]
         tokens = self.sampler(logits, [s.sampling_params for s in sampling],
                               [None if s.sampling_params.greedy
                                else self._generator(s.request_id, s.sampling_params.seed)
                                for s in sampling])
         return ModelRunnerOutput({s.request_id: t for s, t in zip(sampling, tokens)})
+
+    @torch.inference_mode()
+    def forward_logits(self, sched: SchedulerOutput) -> torch.Tensor:
+        """Run the step's forward pass (writing its KV); logits [N, vocab] float32 for the
+        N scheduled requests that sample, in schedule order."""
+        input_ids, layout, logits_rows = self._prepare(sched)
+        ctx = AttentionContext(self.backend, self.backend.build_metadata(layout), self.kv_caches)
+        hidden = self.model(input_ids, layout.positions, ctx)  # [T, hidden]
+        return self.model.compute_logits(hidden[logits_rows])
 
     def _prepare(self, sched: SchedulerOutput) -> tuple[torch.Tensor, BatchLayout, torch.Tensor]:
         """Flatten the step: token ids, positions, slot mapping, padded block tables."""

@@ -1,0 +1,54 @@
+"""A request's logits are bitwise the same alone and inside any mixed batch."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from llmserve.models.loader import load_model
+from llmserve.runner import ModelRunner
+from llmserve.sampling_params import SamplingParams
+from llmserve.scheduler import ScheduledRequest, SchedulerOutput
+
+GREEDY = SamplingParams(temperature=0)
+BS = 16
+
+
+def _runner(model, num_blocks=256):
+    return ModelRunner(model.model, model.arch_config, num_blocks=num_blocks, block_size=BS)
+
+
+def _item(rid, tokens, start, blocks, sample=True):
+    return ScheduledRequest(rid, tokens, start, blocks, sample, GREEDY)
+
+
+def test_logits_identical_alone_and_in_mixed_batches(tiny_model_dir):
+    path, _ = tiny_model_dir("llama-gqa")
+    model = load_model(str(path))
+    rng = random.Random(0)
+    target = [rng.randrange(17, 49152) for _ in range(70)]
+    target_blocks = list(range(0, 5))
+
+    alone = _runner(model)
+    ref_prefill = alone.forward_logits(SchedulerOutput([_item("t", target, 0, target_blocks)]))
+    ref_decode = alone.forward_logits(SchedulerOutput([_item("t", [5], 70, target_blocks)]))
+
+    for trial in range(4):
+        runner = _runner(model)
+        others, next_block = [], 10
+        for j in range(rng.randint(1, 6)):
+            n = rng.randint(1, 90)
+            blocks = list(range(next_block, next_block + (n + 1) // BS + 1))
+            next_block += len(blocks)
+            others.append(_item(f"o{j}", [rng.randrange(17, 49152) for _ in range(n)], 0, blocks,
+                                sample=rng.random() < 0.5))
+        # Chunked prefill of the target (two chunks) mixed with the others, then a decode.
+        first = SchedulerOutput([*others[:2], _item("t", target[:33], 0, target_blocks, False)])
+        runner.forward_logits(first)
+        second = SchedulerOutput([_item("t", target[33:], 33, target_blocks), *others[2:]])
+        logits = runner.forward_logits(second)
+        assert torch.equal(logits[0], ref_prefill[0]), f"trial {trial}: prefill logits differ"
+        decode = SchedulerOutput([*others[:1], _item("t", [5], 70, target_blocks)])
+        logits = runner.forward_logits(decode)
+        assert torch.equal(logits[-1], ref_decode[0]), f"trial {trial}: decode logits differ"
