@@ -55,7 +55,8 @@ def test_chat_template_is_sandboxed():
 
 
 def test_chat_template_raise_exception_becomes_clear_error():
-    template = "{% if messages[0]['role'] != 'user' %}{{ raise_exception('user first') }}{% endif %}"
+    template = ("{% if messages[0]['role'] != 'user' %}{{ raise_exception('user first') }}"
+                "{% endif %}")
     with pytest.raises(ChatTemplateError, match="user first"):
         render_chat_template(template, [{"role": "assistant", "content": "x"}])
 
