@@ -5,6 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+@dataclass(frozen=True)
+class Logprob:
+    """Log-probability of one token under the model's raw distribution (log_softmax of
+    the logits before penalties, temperature and filters); rank 1 is the most likely."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
 @dataclass
 class CompletionOutput:
     index: int
@@ -12,6 +22,7 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None = None  # "stop", "length", "abort" or None while running
     stop_reason: int | str | None = None  # the stop token id or stop string that matched
+    logprobs: list[dict[int, Logprob]] | None = None  # per token: chosen first, then top-k
 
     @property
     def finished(self) -> bool:
@@ -26,3 +37,4 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # first entry None

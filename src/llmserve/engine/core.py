@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from llmserve.config import EngineConfig
-from llmserve.engine.request import Request
+from llmserve.engine.request import Request, RequestStatus
 from llmserve.kv_cache import KVCacheManager, KVCacheSpec, num_blocks_for_memory
 from llmserve.kv_cache.sizing import default_kv_cache_memory_gib, describe_capacity
 from llmserve.logger import get_logger
@@ -16,6 +16,7 @@ from llmserve.models.loader import LoadedModel, load_model
 from llmserve.runner import ModelRunner
 from llmserve.sampling_params import SamplingParams
 from llmserve.scheduler import Scheduler, SchedulerStats
+from llmserve.scheduler.output import TokenLogprobs
 
 logger = get_logger(__name__)
 
@@ -26,14 +27,21 @@ class ContextLengthError(ValueError):
 
 @dataclass
 class EngineCoreOutput:
-    """What one step produced for one request; plain data for the frontend."""
+    """What one step produced for one sequence; plain data for the frontend.
+
+    With n > 1 each of the n sequences is an engine request of its own: ``request_id`` is
+    the user's request, ``index`` says which sequence.
+    """
 
     request_id: str
+    index: int
     new_token_ids: list[int]
     finish_reason: str | None  # "stop", "length", "abort" or None
     stop_reason: int | str | None
     num_prompt_tokens: int
     num_cached_tokens: int
+    new_logprobs: list[TokenLogprobs | None] | None = None  # one per new token, if asked
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # once, with the first token
 
     @property
     def finished(self) -> bool:
@@ -48,6 +56,7 @@ class EngineCore:
         self.loaded = loaded or load_model(config.model.model, config.model.device)
         arch = self.loaded.arch_config
         self.tokenizer = self.loaded.tokenizer
+        self.eos_token_ids = self.tokenizer.stop_token_ids | frozenset(arch.eos_token_ids)
 
         cache = config.cache
         spec = KVCacheSpec(arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim,
@@ -57,17 +66,40 @@ class EngineCore:
         self.max_model_len = self._resolve_max_model_len(num_blocks * cache.block_size)
         logger.info(describe_capacity(spec, num_blocks, self.max_model_len))
 
-        self.kv_manager = KVCacheManager(num_blocks, cache.block_size,
-                                         cache.enable_prefix_caching)
+        # Hashing stays on without prefix caching: then each request family gets its own
+        # salt, so only the n sequences of one request share blocks.
+        self.kv_manager = KVCacheManager(num_blocks, cache.block_size, enable_caching=True)
+        self._families: dict[str, list[str]] = {}
         self.scheduler = Scheduler(config.scheduler, self.kv_manager)
         self.runner = ModelRunner(self.loaded.model, arch, num_blocks=num_blocks,
                                   block_size=cache.block_size, device=config.model.device,
-                                  seed=config.seed)
-        self.eos_token_ids = self.tokenizer.stop_token_ids | frozenset(arch.eos_token_ids)
+                                  seed=config.seed, eos_token_ids=self.eos_token_ids)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
-                    params: SamplingParams, priority: int = 0) -> Request:
-        """Validate against the context window and queue the request."""
+                    params: SamplingParams, priority: int = 0) -> list[Request]:
+        """Validate against the model and queue the request (n sequences for n > 1)."""
+        if request_id in self._families:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        max_tokens = self.validate(prompt_token_ids, params)
+        salt = None if self.config.cache.enable_prefix_caching else request_id
+        lead = None
+        family = []
+        for i in range(params.n):
+            child_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            child = Request(child_id, prompt_token_ids, params.child(i) if params.n > 1 else params,
+                            eos_token_ids=self.eos_token_ids, max_tokens=max_tokens,
+                            priority=priority, cache_salt=salt, parent_id=request_id, index=i,
+                            lead=lead)
+            lead = lead or child
+            family.append(child)
+        for child in family:
+            self.scheduler.add_request(child)
+        self._families[request_id] = [c.request_id for c in family]
+        return family
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """Check a request against the context window and vocabulary; returns the resolved
+        max_tokens. Raises ContextLengthError or ValueError with a message for the user."""
         n = len(prompt_token_ids)
         if n == 0:
             raise ValueError("prompt is empty: it must contain at least one token")
@@ -84,21 +116,50 @@ class EngineCore:
         vocab = self.loaded.arch_config.vocab_size
         if any(t < 0 or t >= vocab for t in prompt_token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        request = Request(request_id, prompt_token_ids, params, eos_token_ids=self.eos_token_ids,
-                          max_tokens=max_tokens, priority=priority)
-        self.scheduler.add_request(request)
-        return request
+        for name, ids in (("stop_token_ids", params.stop_token_ids),
+                          ("logit_bias", list(params.logit_bias or ()))):
+            bad = [t for t in ids if t >= vocab]
+            if bad:
+                raise ValueError(f"{name} has token id {bad[0]}, outside the vocabulary "
+                                 f"[0, {vocab})")
+        return max_tokens
 
-    def abort(self, request_id: str) -> bool:
-        return self.scheduler.abort(request_id) is not None
+    def abort(self, request_id: str, index: int | None = None, *,
+              stopped: bool = False) -> bool:
+        """End a request (all its sequences, or only sequence ``index``) and free its blocks
+        at once. ``stopped``: the frontend matched a stop string (finish reason "stop")."""
+        family = self._families.get(request_id, [])
+        ids = family if index is None else family[index:index + 1]
+        status = RequestStatus.FINISHED_STOPPED if stopped else RequestStatus.FINISHED_ABORTED
+        ended = [r for r in (self.scheduler.abort(rid, status) for rid in ids) if r is not None]
+        for r in ended:
+            self._forget(r)
+        if index is None:
+            self._families.pop(request_id, None)
+        return bool(ended)
 
     def step(self) -> list[EngineCoreOutput]:
         sched = self.scheduler.schedule()
         result = self.runner.execute(sched)
         changed = self.scheduler.update(sched, result)
-        return [EngineCoreOutput(r.request_id, [r.output_token_ids[-1]], r.status.finish_reason,
-                                 r.stop_reason, r.num_prompt_tokens, r.num_cached_tokens)
-                for r in changed]
+        outputs = []
+        for r in changed:
+            prompt_lp = None
+            if r.prompt_logprobs is not None and not r.prompt_logprobs_sent:
+                prompt_lp, r.prompt_logprobs_sent = r.prompt_logprobs, True
+            outputs.append(EngineCoreOutput(
+                r.parent_id, r.index, [r.output_token_ids[-1]], r.status.finish_reason,
+                r.stop_reason, r.num_prompt_tokens, r.num_cached_tokens,
+                None if r.sampling_params.logprobs is None else [r.last_logprobs],
+                prompt_lp))
+            if r.is_finished:
+                self._forget(r)
+        return outputs
+
+    def _forget(self, r: Request) -> None:
+        family = self._families.get(r.parent_id)
+        if family is not None and all(cid not in self.scheduler.requests for cid in family):
+            del self._families[r.parent_id]
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -8,9 +8,9 @@ from typing import Any
 
 from llmserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from llmserve.engine.core import EngineCore
-from llmserve.engine.detokenizer import IncrementalDetokenizer
+from llmserve.engine.output_processor import OutputProcessor, SequenceDelta
 from llmserve.models.loader import DEFAULT_MODEL
-from llmserve.outputs import CompletionOutput, RequestOutput
+from llmserve.outputs import RequestOutput
 from llmserve.sampling_params import SamplingParams
 
 Prompt = str | list[int] | dict[str, Any]
@@ -61,34 +61,27 @@ class LLM:
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"priority has {len(priority)} entries for {len(prompts)} prompts")
         encoded = [self._encode(p) for p in prompts]
-        outputs: dict[str, RequestOutput] = {}
+        processor = OutputProcessor(self.tokenizer)
         order = []
         try:
             for i, ((text, ids), sp) in enumerate(zip(encoded, params)):
                 rid = str(next(self._ids))
                 self.engine.add_request(rid, ids, sp, priority=priority[i] if priority else 0)
-                outputs[rid] = RequestOutput(rid, text, ids,
-                                             [CompletionOutput(0, "", [])])
+                processor.add_request(rid, text, ids, sp)
                 order.append(rid)
             while self.engine.has_unfinished():
-                for out in self.engine.step():
-                    result = outputs[out.request_id]
-                    completion = result.outputs[0]
-                    completion.token_ids.extend(out.new_token_ids)
-                    if out.finished:
-                        completion.finish_reason = out.finish_reason
-                        completion.stop_reason = out.stop_reason
-                        result.finished = True
-                        result.num_cached_tokens = out.num_cached_tokens
+                self._step(processor)
         except BaseException:
             for rid in order:
                 self.engine.abort(rid)
             raise
-        for rid, sp in zip(order, params):
-            completion = outputs[rid].outputs[0]
-            completion.text = self.tokenizer.decode(completion.token_ids,
-                                                    skip_special_tokens=sp.skip_special_tokens)
-        return [outputs[rid] for rid in order]
+        return [processor.states[rid].to_output() for rid in order]
+
+    def _step(self, processor: OutputProcessor) -> list[SequenceDelta]:
+        deltas, to_stop = processor.process(self.engine.step())
+        for rid, index in to_stop:
+            self.engine.abort(rid, index, stopped=True)
+        return deltas
 
     def chat(self, messages: Conversation | Sequence[Conversation],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
@@ -102,25 +95,19 @@ class LLM:
 
     def stream(self, prompt_token_ids: list[int],
                sampling_params: SamplingParams | None = None) -> Iterator[str]:
-        """Generate for one prompt, yielding text as soon as it is decided."""
+        """Generate for one prompt (n = 1), yielding text as soon as it is decided."""
         params = sampling_params or SamplingParams()
+        if params.n != 1:
+            raise ValueError("stream() generates one sequence; use n=1")
         rid = str(next(self._ids))
         self.engine.add_request(rid, prompt_token_ids, params)
-        detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids,
-                                       params.skip_special_tokens)
+        processor = OutputProcessor(self.tokenizer)
+        state = processor.add_request(rid, None, prompt_token_ids, params)
         try:
-            finished = False
-            while not finished and self.engine.has_unfinished():
-                for out in self.engine.step():
-                    if out.request_id != rid:
-                        continue
-                    delta = detok.add_tokens(out.new_token_ids)
-                    if delta:
-                        yield delta
-                    finished = out.finished
-            tail = detok.flush()
-            if tail:
-                yield tail
+            while not state.finished and self.engine.has_unfinished():
+                for delta in self._step(processor):
+                    if delta.request_id == rid and delta.text:
+                        yield delta.text
         finally:
             self.engine.abort(rid)
 

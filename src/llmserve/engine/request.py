@@ -38,7 +38,8 @@ class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams, *, eos_token_ids: frozenset[int] = frozenset(),
                  max_tokens: int, priority: int = 0, arrival_time: float | None = None,
-                 cache_salt: str | None = None) -> None:
+                 cache_salt: str | None = None, parent_id: str | None = None, index: int = 0,
+                 lead: Request | None = None) -> None:
         if not prompt_token_ids:
             raise ValueError("prompt must contain at least one token")
         self.request_id = request_id
@@ -49,6 +50,11 @@ class Request:
         self.priority = priority
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.cache_salt = cache_salt
+        # n > 1: the sequences of one prompt are sibling requests; all but the first wait
+        # until the first (the lead) has computed the prompt, then share its KV blocks.
+        self.parent_id = parent_id or request_id
+        self.index = index
+        self.lead = lead
 
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = []
@@ -59,6 +65,11 @@ class Request:
         self.block_hashes: list[bytes] = []
         self.stop_reason: int | str | None = None
         self.first_scheduled_time: float | None = None
+        self.last_logprobs = None  # of the token appended last, when logprobs are asked
+        self.prompt_logprobs: list | None = (
+            [None] * len(prompt_token_ids) if sampling_params.prompt_logprobs is not None
+            else None)
+        self.prompt_logprobs_sent = False
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -75,6 +86,13 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.finished
+
+    @property
+    def waits_for_lead(self) -> bool:
+        """A sibling is admitted once its lead's prompt KV exists (or the lead is gone)."""
+        lead = self.lead
+        return (lead is not None and not lead.is_finished
+                and lead.num_computed_tokens < lead.num_prompt_tokens)
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

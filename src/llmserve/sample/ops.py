@@ -41,3 +41,58 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     probs = logits.softmax(dim=1)
     threshold = probs.amax(dim=1, keepdim=True) * min_p.unsqueeze(1)
     return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def apply_logit_bias(logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor,
+                     bias: torch.Tensor) -> torch.Tensor:
+    """Add ``bias[i]`` to ``logits[rows[i], token_ids[i]]`` (all [K] tensors)."""
+    return logits.index_put((rows, token_ids), bias, accumulate=True)
+
+
+def mask_tokens(logits: torch.Tensor, rows: torch.Tensor,
+                token_ids: torch.Tensor) -> torch.Tensor:
+    """Set ``logits[rows[i], token_ids[i]]`` to -inf (min_tokens hides the stop tokens)."""
+    return logits.index_put((rows, token_ids),
+                            torch.tensor(float("-inf"), device=logits.device))
+
+
+def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor,
+                             penalty: torch.Tensor) -> torch.Tensor:
+    """For tokens seen in the prompt or output (``seen``: [N, V] bool), divide positive
+    logits by ``penalty`` and multiply negative ones by it (CTRL / vLLM / HF semantics)."""
+    p = penalty.unsqueeze(1)
+    penalized = torch.where(logits > 0, logits / p, logits * p)
+    return torch.where(seen, penalized, logits)
+
+
+def apply_frequency_presence_penalties(logits: torch.Tensor, counts: torch.Tensor,
+                                       frequency: torch.Tensor,
+                                       presence: torch.Tensor) -> torch.Tensor:
+    """OpenAI's penalties: ``counts`` [N, V] is how often each token was generated."""
+    return (logits - frequency.unsqueeze(1) * counts
+            - presence.unsqueeze(1) * (counts > 0).to(logits.dtype))
+
+
+def token_counts(token_lists: list[list[int]], vocab: int,
+                 device: torch.device) -> torch.Tensor:
+    """[N, V] float32 counts of each token id per row."""
+    counts = torch.zeros(len(token_lists), vocab, dtype=torch.float32, device=device)
+    rows = [r for r, toks in enumerate(token_lists) for _ in toks]
+    if rows:
+        ids = torch.tensor([t for toks in token_lists for t in toks], device=device)
+        counts.index_put_((torch.tensor(rows, device=device), ids),
+                          torch.ones(len(rows), device=device), accumulate=True)
+    return counts
+
+
+def topk_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor,
+                  k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Chosen token's logprob and rank (1 = most likely) plus the top-k alternatives.
+
+    Returns ids [N, 1 + k] (chosen first), their logprobs [N, 1 + k], ranks [N] of chosen.
+    """
+    chosen_lp = logprobs.gather(1, chosen.unsqueeze(1))
+    rank = (logprobs > chosen_lp).sum(dim=1) + 1
+    top_lp, top_ids = logprobs.topk(k, dim=1) if k else (logprobs[:, :0], chosen[:, None][:, :0])
+    return (torch.cat([chosen.unsqueeze(1), top_ids], 1),
+            torch.cat([chosen_lp, top_lp], 1), rank)

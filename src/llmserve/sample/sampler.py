@@ -1,11 +1,20 @@
 """Batched sampling: tensors built once per step from the requests' parameters.
 
-Every request draws from its own ``torch.Generator`` (seeded from the request's seed, or
-from the engine's seed sequence when it has none), so a seeded request produces the same
+The order of processing follows vLLM: logit bias and the min_tokens mask, then repetition,
+frequency and presence penalties, then temperature, top-k, top-p and min-p, then one draw
+per row. Greedy rows take the argmax after bias and penalties. When every row is greedy
+with no bias or penalty, the step is a single argmax.
+
+Every request draws from its own ``torch.Generator``, so a seeded request produces the same
 tokens whatever else shares its batch.
+
+Log-probabilities are taken from the model's raw distribution: ``log_softmax`` of the
+logits before bias, penalties, temperature and filtering (vLLM's default).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -13,14 +22,79 @@ from llmserve.sample import ops
 from llmserve.sampling_params import SamplingParams
 
 
+@dataclass
+class SamplingRow:
+    """One row of the step's logits: the request's parameters and what it has seen."""
+
+    params: SamplingParams
+    generator: torch.Generator | None
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    stop_ids: frozenset[int]  # EOS ids (unless ignore_eos) and stop_token_ids, for min_tokens
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    # Per row with logprobs requested: (ids [chosen, top-k...], logprobs, rank of chosen).
+    logprobs: list[tuple[list[int], list[float], int] | None]
+
+
 class Sampler:
-    def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
-                 generators: list[torch.Generator | None]) -> list[int]:
-        """``logits``: [N, V] float32. Returns one token id per row."""
-        greedy = [p.greedy for p in params]
-        if all(greedy):
-            return logits.argmax(dim=1).tolist()
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
+        """``logits``: [N, V] float32, one row per entry of ``rows``."""
+        want_lp = [r.params.logprobs is not None for r in rows]
+        raw_logprobs = logits.log_softmax(dim=1) if any(want_lp) else None
+        logits = self._process(logits, rows)
+        greedy = [r.params.greedy for r in rows]
+        chosen = logits.argmax(dim=1) if all(greedy) else self._sample(logits, rows, greedy)
+        token_ids = chosen.tolist()
+        logprobs: list = [None] * len(rows)
+        if raw_logprobs is not None:
+            k = max(r.params.logprobs or 0 for r in rows)
+            ids, lps, ranks = ops.topk_logprobs(raw_logprobs, chosen, k)
+            ids, lps, ranks = ids.tolist(), lps.tolist(), ranks.tolist()
+            for i, r in enumerate(rows):
+                if want_lp[i]:
+                    n = 1 + r.params.logprobs
+                    logprobs[i] = (ids[i][:n], lps[i][:n], ranks[i])
+        return SampleResult(token_ids, logprobs)
+
+    def _process(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         device = logits.device
+        bias = [(i, t, b) for i, r in enumerate(rows)
+                for t, b in (r.params.logit_bias or {}).items()]
+        if bias:
+            idx, tok, val = zip(*bias)
+            logits = ops.apply_logit_bias(logits, torch.tensor(idx, device=device),
+                                          torch.tensor(tok, device=device),
+                                          torch.tensor(val, dtype=logits.dtype, device=device))
+        masked = [(i, t) for i, r in enumerate(rows)
+                  if len(r.output_token_ids) < r.params.min_tokens for t in r.stop_ids]
+        if masked:
+            idx, tok = zip(*masked)
+            logits = ops.mask_tokens(logits, torch.tensor(idx, device=device),
+                                     torch.tensor(tok, device=device))
+        if any(r.params.has_penalties for r in rows):
+            vocab = logits.shape[1]
+            counts = ops.token_counts([r.output_token_ids for r in rows], vocab, device)
+            if any(r.params.repetition_penalty != 1.0 for r in rows):
+                prompt = ops.token_counts([r.prompt_token_ids for r in rows], vocab, device)
+                penalty = torch.tensor([r.params.repetition_penalty for r in rows],
+                                       dtype=torch.float32, device=device)
+                logits = ops.apply_repetition_penalty(logits, (counts + prompt) > 0, penalty)
+            freq = torch.tensor([r.params.frequency_penalty for r in rows],
+                                dtype=torch.float32, device=device)
+            pres = torch.tensor([r.params.presence_penalty for r in rows],
+                                dtype=torch.float32, device=device)
+            logits = ops.apply_frequency_presence_penalties(logits, counts, freq, pres)
+        return logits
+
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow],
+                greedy: list[bool]) -> torch.Tensor:
+        device = logits.device
+        params = [r.params for r in rows]
+        greedy_choice = logits.argmax(dim=1)
         temperature = torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)],
                                    dtype=torch.float32, device=device)
         logits = ops.apply_temperature(logits, temperature)
@@ -34,16 +108,14 @@ class Sampler:
             min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)
             logits = ops.apply_min_p(logits, min_p)
         probs = logits.softmax(dim=1)
-        tokens = []
-        for row, (is_greedy, gen) in enumerate(zip(greedy, generators)):
-            if is_greedy:
-                tokens.append(int(logits[row].argmax()))
-            else:
-                tokens.append(sample_row(probs[row], gen))
-        return tokens
+        chosen = greedy_choice.clone()
+        for i, (is_greedy, row) in enumerate(zip(greedy, rows)):
+            if not is_greedy:
+                chosen[i] = sample_row(probs[i], row.generator)
+        return chosen
 
 
 def sample_row(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """One draw from ``probs`` [V] via the exponential-race trick (argmax of p / E)."""
+    """One draw from ``probs`` [V] via the exponential race: argmax of p / E, E ~ Exp(1)."""
     noise = torch.empty_like(probs).exponential_(generator=generator)
     return int((probs / noise).argmax())

@@ -17,6 +17,9 @@ class ScheduledRequest:
     block_ids: list[int]  # the request's whole block table
     sample: bool  # the step reaches the request's last known token: sample the next one
     sampling_params: SamplingParams
+    # The request's own lists (not copies), read by penalties and prompt logprobs.
+    prompt_token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -36,11 +39,19 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+# (token ids with the chosen one first, their logprobs, rank of the chosen token)
+TokenLogprobs = tuple[list[int], list[float], int]
+
+
 @dataclass
 class ModelRunnerOutput:
-    """Sampled token per request that sampled this step."""
+    """Sampled token per request that sampled this step, with logprobs where asked."""
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    # request id -> (index of the first prompt token covered, logprobs of the following
+    # prompt tokens) for requests with prompt_logprobs.
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

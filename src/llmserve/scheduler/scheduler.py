@@ -56,7 +56,8 @@ class Scheduler:
         self._order[request.request_id] = next(self._seq)
         self._enqueue(self.waiting, request, front=False)
 
-    def abort(self, request_id: str) -> Request | None:
+    def abort(self, request_id: str,
+              status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> Request | None:
         """End a request wherever it is and free its blocks at once."""
         request = self.requests.get(request_id)
         if request is None or request.is_finished:
@@ -64,7 +65,7 @@ class Scheduler:
         for queue in (self.running, self.waiting, self._static_batch):
             if request in queue:
                 queue.remove(request)
-        request.status = RequestStatus.FINISHED_ABORTED
+        request.status = status
         self._release(request)
         return request
 
@@ -114,8 +115,11 @@ class Scheduler:
         while (not out.preempted_req_ids and queue and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             req = queue[0]
+            if req.waits_for_lead:
+                break
             hits, num_hit = [], 0
-            if req.num_computed_tokens == 0:
+            if req.num_computed_tokens == 0 and req.prompt_logprobs is None:
+                # (prompt logprobs need logits at every prompt position: no cache hits)
                 hits, num_hit = self.kv.get_computed_blocks(req)
             num_new = req.num_tokens - num_hit
             if not self.config.enable_chunked_prefill and num_new > budget:
@@ -145,9 +149,15 @@ class Scheduler:
         changed = []
         for item in sched.scheduled:
             req = self.requests.get(item.request_id)
-            if req is None or req.is_finished or not item.sample:
-                continue  # aborted while the step ran, or a prefill chunk that samples nothing
+            if req is None or req.is_finished:
+                continue  # aborted while the step ran
+            if item.request_id in result.prompt_logprobs and req.prompt_logprobs is not None:
+                first, entries = result.prompt_logprobs[item.request_id]
+                req.prompt_logprobs[first:first + len(entries)] = entries
+            if not item.sample:
+                continue  # a prefill chunk that samples nothing
             req.append_output_token(result.sampled_token_ids[item.request_id])
+            req.last_logprobs = result.logprobs.get(item.request_id)
             if req.check_stop():
                 self.running.remove(req)
                 self._release(req)
@@ -181,6 +191,8 @@ class Scheduler:
             block_ids=self.kv.get_block_ids(req.request_id),
             sample=req.num_computed_tokens == req.num_tokens,
             sampling_params=req.sampling_params,
+            prompt_token_ids=req.prompt_token_ids,
+            output_token_ids=req.output_token_ids,
         )
 
     def _admission_queue(self) -> list[Request]:

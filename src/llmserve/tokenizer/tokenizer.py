@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -58,6 +59,35 @@ class Tokenizer:
 
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The exact bytes one token stands for (a token may hold part of a character)."""
+        tok = self.backend.id_to_token(token_id)
+        if tok is None:
+            return b""
+        if token_id in self._added_ids:
+            return tok.encode()
+        if self._byte_level:
+            table = _byte_decoder()
+            if all(c in table for c in tok):
+                return bytes(table[c] for c in tok)
+            return tok.encode()
+        if len(tok) == 6 and tok.startswith("<0x") and tok.endswith(">"):
+            return bytes([int(tok[3:5], 16)])  # SentencePiece byte fallback
+        return tok.replace("\u2581", " ").encode()
+
+    def token_text(self, token_id: int) -> str:
+        """A token's text on its own; a partial UTF-8 character shows as U+FFFD."""
+        return self.token_bytes(token_id).decode("utf-8", errors="replace")
+
+    @functools.cached_property
+    def _added_ids(self) -> frozenset[int]:
+        return frozenset(self.backend.get_added_tokens_decoder())
+
+    @functools.cached_property
+    def _byte_level(self) -> bool:
+        decoder = json.loads(self.backend.to_str()).get("decoder") or {}
+        return "ByteLevel" in json.dumps(decoder)
 
     def apply_chat_template(self, messages: list[dict[str, Any]],
                             add_generation_prompt: bool = True, **variables: Any) -> str:
@@ -129,6 +159,21 @@ class Tokenizer:
         cfg = {"bos_token": self.bos_token, "eos_token": self.eos_token,
                "chat_template": self.chat_template}
         (path / "tokenizer_config.json").write_text(json.dumps(cfg, indent=1))
+
+
+@functools.cache
+def _byte_decoder() -> dict[str, int]:
+    """Inverse of GPT-2's bytes_to_unicode: the printable character standing for each byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    chars = list(printable)
+    n = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(printable, chars)}
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -1,0 +1,127 @@
+"""Each sampling filter and penalty against a slow, obvious reference on random logits."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from llmserve.sample import ops
+
+N, V = 6, 50
+
+
+@pytest.fixture
+def logits():
+    return torch.randn(N, V, generator=torch.Generator().manual_seed(0)) * 3
+
+
+def _probs(row: list[float]) -> list[float]:
+    m = max(row)
+    e = [math.exp(x - m) if x != -math.inf else 0.0 for x in row]
+    s = sum(e)
+    return [x / s for x in e]
+
+
+def test_temperature(logits):
+    t = torch.tensor([0.5, 1.0, 2.0, 0.7, 1.3, 1.9])
+    got = ops.apply_temperature(logits, t)
+    for i in range(N):
+        for j in range(V):
+            assert got[i, j].item() == pytest.approx(logits[i, j].item() / t[i].item())
+
+
+def test_top_k(logits):
+    k = torch.tensor([1, 3, 0, -1, V, 10])
+    got = ops.apply_top_k(logits, k)
+    for i in range(N):
+        row = logits[i].tolist()
+        kk = k[i].item()
+        keep = set(range(V)) if kk <= 0 or kk >= V else set(
+            sorted(range(V), key=lambda j: -row[j])[:kk])
+        for j in range(V):
+            assert (got[i, j].item() != -math.inf) == (j in keep)
+            if j in keep:
+                assert got[i, j].item() == row[j]
+
+
+def test_top_p(logits):
+    p = torch.tensor([0.05, 0.5, 0.9, 1.0, 0.99, 0.3])
+    got = ops.apply_top_p(logits, p)
+    for i in range(N):
+        row = logits[i].tolist()
+        probs = _probs(row)
+        keep, mass = set(), 0.0
+        for j in sorted(range(V), key=lambda j: -probs[j]):
+            if mass >= p[i].item() and keep:
+                break
+            keep.add(j)
+            mass += probs[j]
+        for j in range(V):
+            assert (got[i, j].item() != -math.inf) == (j in keep), (i, j)
+
+
+def test_min_p(logits):
+    mp = torch.tensor([0.0, 0.1, 0.5, 1.0, 0.01, 0.3])
+    got = ops.apply_min_p(logits, mp)
+    for i in range(N):
+        probs = _probs(logits[i].tolist())
+        top = max(probs)
+        for j in range(V):
+            dropped = probs[j] < mp[i].item() * top
+            assert (got[i, j].item() == -math.inf) == dropped
+
+
+def test_repetition_penalty(logits):
+    seen_lists = [[1, 2, 3], [], [4, 4, 49], [0], list(range(V)), [7]]
+    seen = torch.zeros(N, V, dtype=torch.bool)
+    for i, toks in enumerate(seen_lists):
+        seen[i, toks] = True
+    pen = torch.tensor([1.2, 1.5, 0.8, 1.0, 2.0, 1.1])
+    got = ops.apply_repetition_penalty(logits, seen, pen)
+    for i in range(N):
+        for j in range(V):
+            x = logits[i, j].item()
+            if j in seen_lists[i]:
+                x = x / pen[i].item() if x > 0 else x * pen[i].item()
+            assert got[i, j].item() == pytest.approx(x, rel=1e-6)
+
+
+def test_frequency_and_presence_penalties(logits):
+    outputs = [[1, 1, 1, 2], [], [5], [7, 8, 7], [49] * 4, [0, 1]]
+    counts = ops.token_counts(outputs, V, logits.device)
+    freq = torch.tensor([0.5, 1.0, -0.5, 2.0, 0.0, 0.1])
+    pres = torch.tensor([0.3, 0.0, 1.0, -1.0, 2.0, 0.0])
+    got = ops.apply_frequency_presence_penalties(logits, counts, freq, pres)
+    for i in range(N):
+        for j in range(V):
+            c = outputs[i].count(j)
+            want = logits[i, j].item() - freq[i].item() * c - pres[i].item() * (c > 0)
+            assert got[i, j].item() == pytest.approx(want, abs=1e-5)
+
+
+def test_logit_bias_and_mask(logits):
+    rows, toks = torch.tensor([0, 0, 3]), torch.tensor([5, 6, 5])
+    got = ops.apply_logit_bias(logits, rows, toks, torch.tensor([10.0, -100.0, 2.5]))
+    want = logits.clone()
+    want[0, 5] += 10
+    want[0, 6] -= 100
+    want[3, 5] += 2.5
+    assert torch.allclose(got, want)
+    masked = ops.mask_tokens(logits, torch.tensor([1, 2]), torch.tensor([0, 9]))
+    assert masked[1, 0] == -math.inf and masked[2, 9] == -math.inf
+    assert torch.isfinite(masked).sum() == N * V - 2
+
+
+def test_topk_logprobs(logits):
+    lp = logits.log_softmax(dim=1)
+    chosen = torch.tensor([0, 5, 10, 15, 20, 25])
+    ids, lps, ranks = ops.topk_logprobs(lp, chosen, 4)
+    for i in range(N):
+        row = lp[i].tolist()
+        order = sorted(range(V), key=lambda j: -row[j])
+        assert ids[i, 0].item() == chosen[i].item()
+        assert ranks[i].item() == order.index(chosen[i].item()) + 1
+        assert ids[i, 1:].tolist() == order[:4]
+        assert lps[i].tolist() == pytest.approx([row[j] for j in ids[i].tolist()])
