@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 	touch $@
 
 serve: setup
-	$(BIN)/llmserve chat
+	$(BIN)/llmserve serve
 
 chat: setup
 	$(BIN)/llmserve chat

@@ -1,4 +1,4 @@
-"""Command line: ``llmserve generate | chat``."""
+"""Command line: ``llmserve serve | generate | chat``."""
 
 from __future__ import annotations
 
@@ -38,6 +38,25 @@ def _build_parser() -> argparse.ArgumentParser:
                      help="send the prompt as raw text even if the model has a chat template")
     gen.set_defaults(func=_cmd_generate)
 
+    srv = sub.add_parser("serve", help="start the OpenAI-compatible HTTP server")
+    _add_engine_args(srv)
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--api-key", default=None,
+                     help="require 'Authorization: Bearer KEY' (health, ready, metrics stay open)")
+    srv.add_argument("--served-model-name", default=None,
+                     help="model name in the API (default: the --model value)")
+    srv.add_argument("--max-queued-requests", type=int, default=256,
+                     help="waiting requests before new ones get 429")
+    srv.add_argument("--max-queued-tokens", type=int, default=None,
+                     help="waiting prompt tokens before new requests get 429")
+    srv.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
+                     help="end requests that waited or ran longer than this")
+    srv.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
+                     help="on SIGTERM, time running requests get to finish")
+    srv.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
+    srv.set_defaults(func=_cmd_serve)
+
     chat = sub.add_parser("chat", help="interactive chat that streams tokens as they come")
     _add_engine_args(chat)
     _add_sampling_args(chat, max_tokens=512)
@@ -74,14 +93,36 @@ def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 256) -> Non
     p.add_argument("--sampling-seed", type=int, default=None, help="seed of the request")
 
 
+def _engine_config(args: argparse.Namespace):
+    from llmserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+
+    return EngineConfig(
+        model=ModelConfig(args.model, args.device, args.max_model_len),
+        cache=CacheConfig(block_size=args.block_size, kv_cache_memory_gib=args.kv_cache_memory,
+                          enable_prefix_caching=not args.no_prefix_caching),
+        scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
+                                  max_num_seqs=args.max_num_seqs, scheduling=args.scheduling),
+        seed=args.seed)
+
+
 def _make_llm(args: argparse.Namespace):
     from llmserve.engine.llm import LLM
 
-    return LLM(args.model, device=args.device, max_model_len=args.max_model_len,
-               block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
-               enable_prefix_caching=not args.no_prefix_caching,
-               max_num_batched_tokens=args.max_num_batched_tokens,
-               max_num_seqs=args.max_num_seqs, scheduling=args.scheduling, seed=args.seed)
+    return LLM.from_config(_engine_config(args))
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from llmserve.config import ServerConfig
+    from llmserve.server.launcher import serve
+
+    config = ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
+                          served_model_name=args.served_model_name,
+                          max_queued_requests=args.max_queued_requests,
+                          max_queued_tokens=args.max_queued_tokens,
+                          request_timeout=args.request_timeout,
+                          shutdown_timeout=args.shutdown_timeout,
+                          max_body_bytes=args.max_body_bytes)
+    return serve(_engine_config(args), config)
 
 
 def _sampling(args: argparse.Namespace):

@@ -64,3 +64,28 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     seed: int = 0
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    served_model_name: str | None = None  # default: the --model value
+    max_queued_requests: int | None = 256
+    max_queued_tokens: int | None = None
+    request_timeout: float | None = None  # seconds
+    shutdown_timeout: float = 30.0  # seconds to let running requests finish on SIGTERM
+    max_body_bytes: int = 4 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        for name in ("max_queued_requests", "max_queued_tokens"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name.replace('_', '-')} must be >= 1, got {value}")
+        if self.request_timeout is not None and self.request_timeout <= 0:
+            raise ValueError(f"request-timeout must be > 0 seconds, got {self.request_timeout}")
+        if self.shutdown_timeout < 0:
+            raise ValueError(f"shutdown-timeout must be >= 0, got {self.shutdown_timeout}")

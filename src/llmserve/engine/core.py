@@ -42,6 +42,7 @@ class EngineCoreOutput:
     num_cached_tokens: int
     new_logprobs: list[TokenLogprobs | None] | None = None  # one per new token, if asked
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # once, with the first token
+    first_scheduled_time: float | None = None  # time.monotonic() when first scheduled
 
     @property
     def finished(self) -> bool:
@@ -151,7 +152,7 @@ class EngineCore:
                 r.parent_id, r.index, [r.output_token_ids[-1]], r.status.finish_reason,
                 r.stop_reason, r.num_prompt_tokens, r.num_cached_tokens,
                 None if r.sampling_params.logprobs is None else [r.last_logprobs],
-                prompt_lp))
+                prompt_lp, r.first_scheduled_time))
             if r.is_finished:
                 self._forget(r)
         return outputs

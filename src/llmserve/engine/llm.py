@@ -38,6 +38,16 @@ class LLM:
                                       enable_chunked_prefill=enable_chunked_prefill),
             seed=seed,
         )
+        self._init(config)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLM:
+        llm = cls.__new__(cls)
+        llm._init(config)
+        return llm
+
+    def _init(self, config: EngineConfig) -> None:
+        self.config = config
         self.engine = EngineCore(config)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()

@@ -1,0 +1,97 @@
+"""Prometheus metrics, named after vLLM's where one exists, with the prefix ``llmserve:``."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from llmserve.scheduler import SchedulerStats
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                    7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
+
+
+class ServerMetrics:
+    """Implements the engine's StatsSink; renders the Prometheus text format."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        r, labels = self.registry, ["model_name"]
+        self._model = model_name
+
+        def hist(name: str, doc: str, buckets=_LATENCY_BUCKETS) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets, registry=r).labels(model_name)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, labels, registry=r).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, labels, registry=r).labels(model_name)
+
+        self.ttft = hist("llmserve:time_to_first_token_seconds", "Time to first token.")
+        self.itl = hist("llmserve:inter_token_latency_seconds", "Time between output tokens.")
+        self.e2e = hist("llmserve:e2e_request_latency_seconds", "End-to-end request latency.")
+        self.queue = hist("llmserve:request_queue_time_seconds",
+                          "Time from arrival to first scheduling.")
+        self.prompt_len = hist("llmserve:request_prompt_tokens", "Prompt length of requests.",
+                               _TOKEN_BUCKETS)
+        self.gen_len = hist("llmserve:request_generation_tokens",
+                            "Generated tokens per request.", _TOKEN_BUCKETS)
+        self.running = gauge("llmserve:num_requests_running", "Sequences running in the engine.")
+        self.waiting = gauge("llmserve:num_requests_waiting", "Sequences waiting to be scheduled.")
+        self.kv_usage = gauge("llmserve:kv_cache_usage_perc",
+                              "Fraction of KV cache blocks in use (1 = full).")
+        self.prompt_tokens = counter("llmserve:prompt_tokens", "Prompt tokens of requests.")
+        self.gen_tokens = counter("llmserve:generation_tokens", "Generated tokens.")
+        self.preemptions = counter("llmserve:num_preemptions", "Preempted sequences.")
+        self.prefix_queries = counter("llmserve:prefix_cache_queries",
+                                      "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = counter("llmserve:prefix_cache_hits",
+                                   "Prompt tokens found in the prefix cache.")
+        self.aborted = counter("llmserve:request_aborted", "Requests aborted (client gone).")
+        self._success = Counter("llmserve:request_success", "Finished requests by reason.",
+                                ["model_name", "finished_reason"], registry=r)
+        self._rejected = Counter("llmserve:request_rejected", "Rejected requests by reason.",
+                                 ["model_name", "reason"], registry=r)
+        self._last = (0, 0, 0)  # cumulative preemptions, prefix queries, prefix hits
+
+    # ---- StatsSink -----------------------------------------------------------------------
+
+    def on_step(self, stats: SchedulerStats, new_generation_tokens: int) -> None:
+        self.update_gauges(stats)
+        self.gen_tokens.inc(new_generation_tokens)
+        pre, q, h = self._last
+        self.preemptions.inc(stats.num_preemptions - pre)
+        self.prefix_queries.inc(stats.prefix_queries - q)
+        self.prefix_hits.inc(stats.prefix_hits - h)
+        self._last = (stats.num_preemptions, stats.prefix_queries, stats.prefix_hits)
+
+    def update_gauges(self, stats: SchedulerStats) -> None:
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.kv_usage.set(stats.kv_usage)
+
+    def on_first_token(self, ttft: float, queue_time: float | None, prompt_tokens: int) -> None:
+        self.ttft.observe(ttft)
+        if queue_time is not None:
+            self.queue.observe(max(0.0, queue_time))
+        self.prompt_tokens.inc(prompt_tokens)
+
+    def on_inter_token(self, latency: float) -> None:
+        self.itl.observe(latency)
+
+    def on_finished(self, reason: str, e2e: float, prompt_tokens: int,
+                    generation_tokens: int) -> None:
+        if reason == "abort":
+            self.aborted.inc()
+        self._success.labels(self._model, reason).inc()
+        if reason in ("stop", "length"):
+            self.e2e.observe(e2e)
+            self.prompt_len.observe(prompt_tokens)
+            self.gen_len.observe(generation_tokens)
+
+    def on_rejected(self, reason: str) -> None:
+        self._rejected.labels(self._model, reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,296 @@
+"""Completions and chat completions: run requests through AsyncLLM and shape OpenAI replies.
+
+One user request may become several engine requests (a list of prompts in /v1/completions);
+their events are merged into one stream. Choice index = prompt index * n + sequence index.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.requests import Request
+
+from llmserve.engine.async_llm import AsyncLLM, QueueFullError, RequestEvent
+from llmserve.engine.core import ContextLengthError
+from llmserve.outputs import Logprob, RequestOutput
+from llmserve.sampling_params import SamplingParams
+from llmserve.server.errors import APIError, bad_request, error_body, param_of
+
+
+@dataclass
+class Job:
+    """One user request: its prompts (token ids) and how to shape the reply."""
+
+    request_id: str
+    kind: str  # "completion" or "chat"
+    model: str
+    prompts: list[tuple[str | None, list[int]]]
+    params: SamplingParams
+    priority: int = 0
+    include_usage: bool = False
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+class ClientDisconnected(Exception):
+    pass
+
+
+def make_params(build: Callable[[], SamplingParams]) -> SamplingParams:
+    try:
+        return build()
+    except ValueError as e:
+        raise bad_request(str(e), param=param_of(str(e))) from None
+
+
+def validate_prompts(engine: AsyncLLM, job: Job) -> None:
+    for _, ids in job.prompts:
+        try:
+            engine.validate(ids, job.params)
+        except ContextLengthError as e:
+            raise bad_request(f"This model's maximum context length is {engine.max_model_len} "
+                              f"tokens: {e}", param="max_tokens",
+                              code="context_length_exceeded") from None
+        except ValueError as e:
+            raise bad_request(str(e), param=param_of(str(e))) from None
+
+
+async def _merged_events(engine: AsyncLLM, job: Job) -> AsyncIterator[tuple[int, RequestEvent]]:
+    """Submit every prompt; yield (prompt index, event) as they come. Leaving early (client
+    gone, error) closes every generator, which aborts its engine request."""
+    gens = []
+    try:
+        for i, (text, ids) in enumerate(job.prompts):
+            gen = engine.generate(f"{job.request_id}-{i}", ids, job.params, text, job.priority)
+            gens.append(gen)
+        if len(gens) == 1:
+            async for event in gens[0]:
+                yield 0, event
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, gen) -> None:
+            try:
+                async for event in gen:
+                    await queue.put((i, event))
+            except BaseException as e:  # surfaced to the consumer below
+                await queue.put((i, e))
+
+        tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens)]
+        try:
+            remaining = len(gens)
+            while remaining:
+                i, item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item.output is not None or item.error is not None:
+                    remaining -= 1
+                yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+    finally:
+        for gen in gens:
+            await gen.aclose()
+
+
+async def _first_event(events: AsyncIterator) -> Any:
+    """Start the request so admission errors (429) surface before any byte is sent."""
+    try:
+        return await events.__anext__()
+    except QueueFullError as e:
+        raise APIError(429, str(e), type="rate_limit_error", code="queue_full",
+                       headers={"Retry-After": str(e.retry_after)}) from None
+    except StopAsyncIteration:
+        return None
+
+
+def _error_from_event(event: RequestEvent) -> APIError:
+    if event.error == "timeout":
+        return APIError(408, event.message or "request timed out", type="timeout_error",
+                        code="request_timeout")
+    if event.error == "shutdown":
+        return APIError(503, event.message or "server shutting down", type="server_error",
+                        code="shutting_down", headers={"Retry-After": "5"})
+    return APIError(500, event.message or "internal error", type="server_error",
+                    code=event.error)
+
+
+# ---- non-streaming -------------------------------------------------------------------------
+
+
+async def respond(engine: AsyncLLM, job: Job, raw: Request) -> dict[str, Any]:
+    events = _merged_events(engine, job)
+    outputs: dict[int, RequestOutput] = {}
+    first = await _first_event(events)
+
+    async def collect() -> None:
+        item = first
+        while item is not None:
+            i, event = item
+            if event.error is not None:
+                raise _error_from_event(event)
+            if event.output is not None:
+                outputs[i] = event.output
+            item = await anext(events, None)
+
+    task = asyncio.ensure_future(collect())
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=0.1)
+            if not task.done() and await raw.is_disconnected():
+                task.cancel()
+                raise ClientDisconnected
+        task.result()
+    finally:
+        if not task.done():
+            task.cancel()
+        await events.aclose()
+    return _full_response(engine, job, [outputs[i] for i in range(len(job.prompts))])
+
+
+def _full_response(engine: AsyncLLM, job: Job, outputs: list[RequestOutput]) -> dict[str, Any]:
+    n, k = job.params.n, job.params.logprobs or 0
+    choices = []
+    for p, out in enumerate(outputs):
+        for c in out.outputs:
+            choice: dict[str, Any] = {"index": p * n + c.index, "finish_reason": c.finish_reason,
+                                      "stop_reason": c.stop_reason}
+            if job.kind == "chat":
+                choice["message"] = {"role": "assistant", "content": c.text}
+                choice["logprobs"] = _chat_logprobs(engine, c.logprobs, k)
+            else:
+                choice["text"] = c.text
+                choice["logprobs"] = _completion_logprobs(c.logprobs, k)
+            choices.append(choice)
+    return {"id": job.request_id, "object": _object(job), "created": job.created,
+            "model": job.model, "choices": choices, "usage": _usage(job, outputs)}
+
+
+# ---- streaming -----------------------------------------------------------------------------
+
+
+async def stream(engine: AsyncLLM, job: Job) -> AsyncIterator[str]:
+    """Starts the request, then returns the SSE body; 429 and friends raise before it."""
+    events = _merged_events(engine, job)
+    first = await _first_event(events)
+    return _sse(engine, job, events, first)
+
+
+async def _sse(engine: AsyncLLM, job: Job, events: AsyncIterator,
+               first: tuple[int, RequestEvent] | None) -> AsyncIterator[str]:
+    n, k = job.params.n, job.params.logprobs or 0
+    completion_tokens = 0
+    prompt_tokens = sum(len(ids) for _, ids in job.prompts)
+    try:
+        if job.kind == "chat":
+            for p in range(len(job.prompts)):
+                for i in range(n):
+                    yield _chunk(job, [{"index": p * n + i, "delta": {"role": "assistant",
+                                                                      "content": ""},
+                                        "logprobs": None, "finish_reason": None}])
+        item = first
+        while item is not None:
+            p, event = item
+            if event.error is not None:
+                err = _error_from_event(event)
+                yield f"data: {json.dumps(err.body())}\n\n"
+                break
+            for d in event.deltas:
+                completion_tokens += len(d.token_ids)
+                if not d.text and d.finish_reason is None and not d.logprobs:
+                    continue
+                index = p * n + d.index
+                if job.kind == "chat":
+                    delta = {"content": d.text} if d.text else {}
+                    choice = {"index": index, "delta": delta,
+                              "logprobs": _chat_logprobs(engine, d.logprobs, k)}
+                else:
+                    choice = {"index": index, "text": d.text,
+                              "logprobs": _completion_logprobs(d.logprobs, k)}
+                choice["finish_reason"] = d.finish_reason
+                if d.finish_reason is not None:
+                    choice["stop_reason"] = d.stop_reason
+                yield _chunk(job, [choice])
+            item = await anext(events, None)
+        else:
+            if job.include_usage:
+                usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                         "total_tokens": prompt_tokens + completion_tokens}
+                yield _chunk(job, [], usage=usage)
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:  # never leave a stream hanging without a final event
+        yield f"data: {json.dumps(error_body(str(e), 'server_error'))}\n\n"
+    finally:
+        await events.aclose()
+    yield "data: [DONE]\n\n"
+
+
+def _chunk(job: Job, choices: list[dict[str, Any]], usage: dict | None = None) -> str:
+    body: dict[str, Any] = {"id": job.request_id, "object": _object(job, chunk=True),
+                            "created": job.created, "model": job.model, "choices": choices}
+    if usage is not None:
+        body["usage"] = usage
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+# ---- shaping ------------------------------------------------------------------------------
+
+
+def _object(job: Job, chunk: bool = False) -> str:
+    if job.kind == "chat":
+        return "chat.completion.chunk" if chunk else "chat.completion"
+    return "text_completion"
+
+
+def _usage(job: Job, outputs: list[RequestOutput]) -> dict[str, int]:
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}
+
+
+def _top(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
+    """The k most likely tokens of a logprobs entry (the chosen token comes first in it and
+    belongs here only if it ranks within the top k)."""
+    return sorted(((t, lp) for t, lp in entry.items() if lp.rank <= k), key=lambda x: x[1].rank)
+
+
+def _completion_logprobs(entries: list[dict[int, Logprob]] | None,
+                         k: int) -> dict[str, Any] | None:
+    if entries is None:
+        return None
+    tokens, token_lps, tops = [], [], []
+    for entry in entries:
+        chosen = next(iter(entry.values()))
+        tokens.append(chosen.decoded_token)
+        token_lps.append(chosen.logprob)
+        tops.append({lp.decoded_token: lp.logprob for _, lp in _top(entry, k)})
+    offsets, pos = [], 0
+    for t in tokens:
+        offsets.append(pos)
+        pos += len(t)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
+            "text_offset": offsets}
+
+
+def _chat_logprobs(engine: AsyncLLM, entries: list[dict[int, Logprob]] | None,
+                   k: int) -> dict[str, Any] | None:
+    if entries is None:
+        return None
+    tok = engine.tokenizer
+    content = []
+    for entry in entries:
+        chosen_id, chosen = next(iter(entry.items()))
+        content.append({
+            "token": chosen.decoded_token, "logprob": chosen.logprob,
+            "bytes": list(tok.token_bytes(chosen_id)),
+            "top_logprobs": [{"token": lp.decoded_token, "logprob": lp.logprob,
+                              "bytes": list(tok.token_bytes(tid))} for tid, lp in _top(entry, k)],
+        })
+    return {"content": content}
