@@ -54,6 +54,32 @@ class RequestEvent:
     message: str | None = None
 
 
+class RequestStream:
+    """The events of one submitted request. Closing it before the last event aborts the
+    request in the engine (its KV blocks are freed in the engine's next loop)."""
+
+    def __init__(self, engine: AsyncLLM, request_id: str, events: asyncio.Queue) -> None:
+        self.engine = engine
+        self.request_id = request_id
+        self._events = events
+        self.finished = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestEvent:
+        if self.finished:
+            raise StopAsyncIteration
+        event: RequestEvent = await self._events.get()
+        self.finished = event.output is not None or event.error is not None
+        return event
+
+    def close(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self.engine.abort(self.request_id)
+
+
 class StatsSink(Protocol):
     """Receives the engine's measurements (the server's Prometheus metrics implement it)."""
 
@@ -137,32 +163,33 @@ class AsyncLLM:
         """Raise ValueError / ContextLengthError for a request the engine cannot serve."""
         self.core.validate(prompt_token_ids, params)
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams, prompt: str | None = None,
-                       priority: int = 0) -> AsyncIterator[RequestEvent]:
-        """Submit a request and yield its events; leaving early aborts it in the engine."""
+    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+               prompt: str | None = None, priority: int = 0) -> RequestStream:
+        """Queue a request now (raising QueueFullError / ValueError at once) and return the
+        stream of its events. Call from the event loop's thread."""
         if self.dead is not None:
             raise EngineDeadError(f"the engine stopped: {self.dead}")
         self.validate(prompt_token_ids, params)
         self._admit(len(prompt_token_ids))
-        loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         now = time.monotonic()
         deadline = None if self.request_timeout is None else now + self.request_timeout
         state = RequestState(request_id, prompt, prompt_token_ids, params, self.tokenizer)
-        tracked = _Tracked(state, events, loop, now, deadline, len(prompt_token_ids))
+        tracked = _Tracked(state, events, asyncio.get_running_loop(), now, deadline,
+                           len(prompt_token_ids))
         self._inbox.put(("add", (request_id, prompt_token_ids, params, priority, tracked)))
-        finished = False
+        return RequestStream(self, request_id, events)
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       params: SamplingParams, prompt: str | None = None,
+                       priority: int = 0) -> AsyncIterator[RequestEvent]:
+        """Submit a request and yield its events; leaving early aborts it in the engine."""
+        stream = self.submit(request_id, prompt_token_ids, params, prompt, priority)
         try:
-            while True:
-                event: RequestEvent = await events.get()
-                finished = event.output is not None or event.error is not None
+            async for event in stream:
                 yield event
-                if finished:
-                    return
         finally:
-            if not finished:
-                self.abort(request_id)
+            stream.close()
 
     def abort(self, request_id: str) -> None:
         """Abort from any thread; the engine frees the request's blocks in its next loop."""

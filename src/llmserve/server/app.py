@@ -175,7 +175,7 @@ def build_app(engine: AsyncLLM, config: ServerConfig, metrics: ServerMetrics,
         validate_prompts(engine, job)
         try:
             if streaming:
-                body = await stream(engine, job)
+                body = stream(engine, job)
                 return StreamingResponse(body, media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache"})
             return JSONResponse(await respond(engine, job, raw))

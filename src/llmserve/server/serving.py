@@ -7,6 +7,7 @@ their events are merged into one stream. Choice index = prompt index * n + seque
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import AsyncIterator, Callable
@@ -15,7 +16,7 @@ from typing import Any
 
 from starlette.requests import Request
 
-from llmserve.engine.async_llm import AsyncLLM, QueueFullError, RequestEvent
+from llmserve.engine.async_llm import AsyncLLM, QueueFullError, RequestEvent, RequestStream
 from llmserve.engine.core import ContextLengthError
 from llmserve.outputs import Logprob, RequestOutput
 from llmserve.sampling_params import SamplingParams
@@ -59,54 +60,49 @@ def validate_prompts(engine: AsyncLLM, job: Job) -> None:
             raise bad_request(str(e), param=param_of(str(e))) from None
 
 
-async def _merged_events(engine: AsyncLLM, job: Job) -> AsyncIterator[tuple[int, RequestEvent]]:
-    """Submit every prompt; yield (prompt index, event) as they come. Leaving early (client
-    gone, error) closes every generator, which aborts its engine request."""
-    gens = []
+def _submit_all(engine: AsyncLLM, job: Job) -> list[RequestStream]:
+    """Queue every prompt of the job now; a full queue is a 429 before any byte is sent."""
+    streams: list[RequestStream] = []
     try:
         for i, (text, ids) in enumerate(job.prompts):
-            gen = engine.generate(f"{job.request_id}-{i}", ids, job.params, text, job.priority)
-            gens.append(gen)
-        if len(gens) == 1:
-            async for event in gens[0]:
+            streams.append(engine.submit(f"{job.request_id}-{i}", ids, job.params, text,
+                                         job.priority))
+    except QueueFullError as e:
+        for st in streams:
+            st.close()
+        raise APIError(429, str(e), type="rate_limit_error", code="queue_full",
+                       headers={"Retry-After": str(e.retry_after)}) from None
+    return streams
+
+
+async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestEvent]]:
+    """Yield (prompt index, event) from all streams as they come. Leaving early (client
+    gone, error) closes every stream, which aborts its engine request."""
+    try:
+        if len(streams) == 1:
+            async for event in streams[0]:
                 yield 0, event
             return
         queue: asyncio.Queue = asyncio.Queue()
 
-        async def pump(i: int, gen) -> None:
-            try:
-                async for event in gen:
-                    await queue.put((i, event))
-            except BaseException as e:  # surfaced to the consumer below
-                await queue.put((i, e))
+        async def pump(i: int, st: RequestStream) -> None:
+            async for event in st:
+                await queue.put((i, event))
 
-        tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens)]
+        tasks = [asyncio.ensure_future(pump(i, st)) for i, st in enumerate(streams)]
         try:
-            remaining = len(gens)
+            remaining = len(streams)
             while remaining:
-                i, item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                if item.output is not None or item.error is not None:
+                i, event = await queue.get()
+                if event.output is not None or event.error is not None:
                     remaining -= 1
-                yield i, item
+                yield i, event
         finally:
             for t in tasks:
                 t.cancel()
     finally:
-        for gen in gens:
-            await gen.aclose()
-
-
-async def _first_event(events: AsyncIterator) -> Any:
-    """Start the request so admission errors (429) surface before any byte is sent."""
-    try:
-        return await events.__anext__()
-    except QueueFullError as e:
-        raise APIError(429, str(e), type="rate_limit_error", code="queue_full",
-                       headers={"Retry-After": str(e.retry_after)}) from None
-    except StopAsyncIteration:
-        return None
+        for st in streams:
+            st.close()
 
 
 def _error_from_event(event: RequestEvent) -> APIError:
@@ -124,31 +120,30 @@ def _error_from_event(event: RequestEvent) -> APIError:
 
 
 async def respond(engine: AsyncLLM, job: Job, raw: Request) -> dict[str, Any]:
-    events = _merged_events(engine, job)
+    """Collect the whole answer, watching for the client going away from the first moment
+    (a prompt still being prefilled is aborted too)."""
+    events = _merged(_submit_all(engine, job))
     outputs: dict[int, RequestOutput] = {}
-    first = await _first_event(events)
 
     async def collect() -> None:
-        item = first
-        while item is not None:
-            i, event = item
+        async for i, event in events:
             if event.error is not None:
                 raise _error_from_event(event)
             if event.output is not None:
                 outputs[i] = event.output
-            item = await anext(events, None)
 
     task = asyncio.ensure_future(collect())
     try:
         while not task.done():
             await asyncio.wait({task}, timeout=0.1)
             if not task.done() and await raw.is_disconnected():
-                task.cancel()
                 raise ClientDisconnected
         task.result()
     finally:
         if not task.done():
             task.cancel()
+        with contextlib.suppress(BaseException):
+            await task  # let the cancellation land before closing the generator under it
         await events.aclose()
     return _full_response(engine, job, [outputs[i] for i in range(len(job.prompts))])
 
@@ -174,15 +169,14 @@ def _full_response(engine: AsyncLLM, job: Job, outputs: list[RequestOutput]) -> 
 # ---- streaming -----------------------------------------------------------------------------
 
 
-async def stream(engine: AsyncLLM, job: Job) -> AsyncIterator[str]:
-    """Starts the request, then returns the SSE body; 429 and friends raise before it."""
-    events = _merged_events(engine, job)
-    first = await _first_event(events)
-    return _sse(engine, job, events, first)
+def stream(engine: AsyncLLM, job: Job) -> AsyncIterator[str]:
+    """Queue the request now (429 raises before the response starts), return the SSE body.
+    The server cancels the body when the client disconnects, which aborts the request."""
+    return _sse(engine, job, _merged(_submit_all(engine, job)))
 
 
-async def _sse(engine: AsyncLLM, job: Job, events: AsyncIterator,
-               first: tuple[int, RequestEvent] | None) -> AsyncIterator[str]:
+async def _sse(engine: AsyncLLM, job: Job,
+               events: AsyncIterator[tuple[int, RequestEvent]]) -> AsyncIterator[str]:
     n, k = job.params.n, job.params.logprobs or 0
     completion_tokens = 0
     prompt_tokens = sum(len(ids) for _, ids in job.prompts)
@@ -193,9 +187,7 @@ async def _sse(engine: AsyncLLM, job: Job, events: AsyncIterator,
                     yield _chunk(job, [{"index": p * n + i, "delta": {"role": "assistant",
                                                                       "content": ""},
                                         "logprobs": None, "finish_reason": None}])
-        item = first
-        while item is not None:
-            p, event = item
+        async for p, event in events:
             if event.error is not None:
                 err = _error_from_event(event)
                 yield f"data: {json.dumps(err.body())}\n\n"
@@ -216,7 +208,6 @@ async def _sse(engine: AsyncLLM, job: Job, events: AsyncIterator,
                 if d.finish_reason is not None:
                     choice["stop_reason"] = d.stop_reason
                 yield _chunk(job, [choice])
-            item = await anext(events, None)
         else:
             if job.include_usage:
                 usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,

@@ -1,0 +1,103 @@
+"""The official openai client against live servers: chat, completions, stream or not."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from tests.e2e.conftest import API_KEY
+
+
+def _client(server, key: str | None = API_KEY) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.v1, api_key=key or "none", max_retries=0, timeout=60)
+
+
+def _completion_roundtrip(client: openai.OpenAI, model: str, tokenize) -> None:
+    kw = dict(model=model, prompt="Once upon a time", max_tokens=20, temperature=0.8, seed=42)
+    full = client.completions.create(**kw)
+    chunks = list(client.completions.create(**kw, stream=True,
+                                            stream_options={"include_usage": True}))
+    streamed = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert streamed == full.choices[0].text
+    assert full.choices[0].finish_reason in ("stop", "length")
+    assert full.usage.prompt_tokens == len(tokenize("Once upon a time"))
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert full.usage.total_tokens == full.usage.prompt_tokens + full.usage.completion_tokens
+
+
+def _chat_roundtrip(client: openai.OpenAI, model: str) -> str:
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    full = client.chat.completions.create(model=model, messages=messages, max_tokens=24,
+                                          temperature=0.7, seed=7)
+    stream = client.chat.completions.create(model=model, messages=messages, max_tokens=24,
+                                            temperature=0.7, seed=7, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert full.choices[0].message.role == "assistant"
+    assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    return full.choices[0].message.content
+
+
+def test_tiny_completions_and_chat(tiny_server, smol_tokenizer):
+    client = _client(tiny_server)
+    _completion_roundtrip(client, tiny_server.model, smol_tokenizer.encode)
+    _chat_roundtrip(client, tiny_server.model)
+
+
+@pytest.mark.slow
+def test_real_model_completions_and_chat(real_server, smol_tokenizer):
+    client = _client(real_server, None)
+    _completion_roundtrip(client, real_server.model, smol_tokenizer.encode)
+    _chat_roundtrip(client, real_server.model)
+    answer = client.chat.completions.create(
+        model=real_server.model, temperature=0, max_tokens=20,
+        messages=[{"role": "user", "content": "What is the capital of France?"}])
+    assert "Paris" in answer.choices[0].message.content
+    usage = answer.usage
+    prompt_ids = smol_tokenizer.encode_chat(
+        [{"role": "user", "content": "What is the capital of France?"}])
+    assert usage.prompt_tokens == len(prompt_ids)
+
+
+def test_models_tokenize_detokenize(tiny_server, smol_tokenizer):
+    import httpx
+
+    client = _client(tiny_server)
+    assert [m.id for m in client.models.list().data] == [tiny_server.model]
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    r = httpx.post(f"{tiny_server.url}/tokenize", json={"prompt": "Hello world"},
+                   headers=headers)
+    assert r.json()["tokens"] == smol_tokenizer.encode("Hello world")
+    r = httpx.post(f"{tiny_server.url}/detokenize", json={"tokens": r.json()["tokens"]},
+                   headers=headers)
+    assert r.json()["prompt"] == "Hello world"
+
+
+def test_n_logprobs_stop_and_extras(tiny_server):
+    client = _client(tiny_server)
+    out = client.completions.create(model=tiny_server.model, prompt="abc", max_tokens=8, n=3,
+                                    temperature=1.0, seed=1, logprobs=3,
+                                    extra_body={"top_k": 20, "min_p": 0.01,
+                                                "repetition_penalty": 1.1})
+    assert sorted(c.index for c in out.choices) == [0, 1, 2]
+    for c in out.choices:
+        assert len(c.logprobs.tokens) == len(c.logprobs.token_logprobs)
+        assert all(len(t) <= 3 for t in c.logprobs.top_logprobs)
+    chat = client.chat.completions.create(model=tiny_server.model, max_completion_tokens=6,
+                                          messages=[{"role": "user", "content": "hi"}],
+                                          logprobs=True, top_logprobs=2, temperature=0)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    assert all(len(e.top_logprobs) == 2 and e.bytes is not None for e in content)
+    assert content[0].top_logprobs[0].logprob >= content[0].top_logprobs[1].logprob
+    free = client.completions.create(model=tiny_server.model, prompt="xyz", max_tokens=20,
+                                     temperature=0)
+    stop = free.choices[0].text[5:8]
+    cut = client.completions.create(model=tiny_server.model, prompt="xyz", max_tokens=20,
+                                    temperature=0, stop=[stop])
+    assert cut.choices[0].text == free.choices[0].text[:free.choices[0].text.find(stop)]
+    assert cut.choices[0].finish_reason == "stop"
