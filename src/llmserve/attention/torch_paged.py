@@ -12,6 +12,11 @@ Padding is masked, never read into a result: keys past a query's own position ge
 A row's context always starts at offset 0 and padding only ever follows it, so the
 arithmetic of a row does not depend on the other rows, which keeps greedy output
 batch-invariant.
+
+Cost-conscious details: blocks are gathered with one ``index_select`` of whole blocks;
+each KV head is a strided view handed to ``bmm`` without a transposing copy; long query
+groups (prefill chunks) are processed in tiles of rows, each against only the keys its
+rows can see, which skips most of the masked upper triangle.
 """
 
 from __future__ import annotations
@@ -23,16 +28,23 @@ import torch
 
 from llmserve.attention.backend import BatchLayout, register_attention_backend
 
+_QUERY_TILE = 128  # rows of a prefill chunk attended together
+
 
 @dataclass
 class AttentionGroup:
     token_index: torch.Tensor | None  # [Tg] int64 rows of the flat batch; None: all rows
-    block_tables: torch.Tensor  # [G, NB] int64
+    block_ids: torch.Tensor  # [G * NB] int64, the block tables flattened
     num_seqs: int
     max_query_len: int  # Qm
     context_len: int  # NB * block_size = L
     q_index: torch.Tensor | None  # [Tg] row of each token in the padded [G * Qm] layout
     mask: torch.Tensor  # [G, Qm, L] bool, True where a key must be ignored
+    # (first row, end row, first key some row must not see, keys any row can see)
+    tiles: list[tuple[int, int, int, int]]
+    # Gather buffers, allocated once per step and reused by every layer.
+    keys: torch.Tensor | None = None
+    values: torch.Tensor | None = None
 
 
 @dataclass
@@ -85,7 +97,24 @@ class TorchPagedBackend:
             q_pos = q_pos.view(len(seqs), max_q)
         key_pos = torch.arange(context_len, device=device)
         mask = key_pos.view(1, 1, -1) > q_pos.unsqueeze(-1)  # [G, Qm, L]
-        return AttentionGroup(tokens, tables, len(seqs), max_q, context_len, q_index, mask)
+        tiles = []
+        last_pos = q_pos.amax(dim=0).tolist()  # per padded row, the furthest position
+        real = torch.zeros_like(q_pos, dtype=torch.bool)
+        if q_index is None:
+            real.fill_(True)
+        else:
+            real.view(-1)[q_index] = True
+        first_pos = torch.where(real, q_pos, torch.iinfo(torch.int64).max).amin(dim=0).tolist()
+        for start in range(0, max_q, _QUERY_TILE):
+            end = min(max_q, start + _QUERY_TILE)
+            visible = max(last_pos[start:end]) + 1
+            keys = min(context_len, -(-visible // layout.block_size) * layout.block_size)
+            # Keys before every real row's own position are visible to all of them (padded
+            # rows are discarded, so what they see does not matter).
+            mask_from = min(keys, min(first_pos[start:end]) + 1)
+            tiles.append((start, end, mask_from, keys))
+        return AttentionGroup(tokens, tables.reshape(-1), len(seqs), max_q, context_len,
+                              q_index, mask, tiles)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], metadata: TorchPagedMetadata,
@@ -108,32 +137,50 @@ class TorchPagedBackend:
 
 def _attend(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
             group: AttentionGroup, scale: float) -> torch.Tensor:
-    """``q``: [Tg, Hq, D] -> [Tg, Hq * D] for one group."""
+    """``q``: [Tg, Hq, D] -> [Tg, Hq * D] for one group.
+
+    1. Gather the group's blocks: [G, L, Hkv, D] for keys and values (one index_select).
+    2. Lay queries out head-major: [G, Hkv, Qm * heads_per_kv, D].
+    3. Per KV head and query tile: scores = q k^T (bmm on a strided view), mask, softmax
+       in float32, times v.
+    """
     _, num_heads, head_dim = q.shape
-    num_kv_heads = key_cache.shape[2]
-    heads_per_kv = num_heads // num_kv_heads
+    num_blocks, _, num_kv_heads, _ = key_cache.shape
+    group_size = num_heads // num_kv_heads
     b, qm, ctx = group.num_seqs, group.max_query_len, group.context_len
     if group.q_index is None:
         q_pad = q
     else:
         q_pad = q.new_zeros(b * qm, num_heads, head_dim)
         q_pad.index_copy_(0, group.q_index, q)
-    # [G, Hkv, heads_per_kv * Qm, D]
-    q_pad = (q_pad.view(b, qm, num_kv_heads, heads_per_kv, head_dim)
-             .permute(0, 2, 3, 1, 4).reshape(b, num_kv_heads, heads_per_kv * qm, head_dim))
-    keys = key_cache[group.block_tables].view(b, ctx, num_kv_heads, head_dim)
-    values = value_cache[group.block_tables].view(b, ctx, num_kv_heads, head_dim)
-    keys = keys.to(q.dtype).permute(0, 2, 3, 1)  # [G, Hkv, D, L]
-    values = values.to(q.dtype).transpose(1, 2)  # [G, Hkv, L, D]
+    # [G, Hkv, Qm, group_size, D]
+    q_hm = q_pad.view(b, qm, num_kv_heads, group_size, head_dim).permute(0, 2, 1, 3, 4)
+    q_hm = (q_hm * scale).contiguous()
+    if group.keys is None:  # first layer of the step: allocate the gather buffers
+        shape = (group.block_ids.numel(), key_cache[0].numel())
+        group.keys = key_cache.new_empty(shape)
+        group.values = value_cache.new_empty(shape)
+    torch.index_select(key_cache.view(num_blocks, -1), 0, group.block_ids, out=group.keys)
+    torch.index_select(value_cache.view(num_blocks, -1), 0, group.block_ids, out=group.values)
+    keys = group.keys.view(b, ctx, num_kv_heads, head_dim).to(q.dtype)
+    values = group.values.view(b, ctx, num_kv_heads, head_dim).to(q.dtype)
 
-    scores = torch.matmul(q_pad, keys).mul_(scale)  # [G, Hkv, heads_per_kv * Qm, L]
-    scores = scores.view(b, num_kv_heads, heads_per_kv, qm, ctx)
-    scores.masked_fill_(group.mask.view(b, 1, 1, qm, ctx), float("-inf"))
-    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-    out = torch.matmul(probs.view(b, num_kv_heads, heads_per_kv * qm, ctx), values)
-    # [G, Hkv, heads_per_kv * Qm, D] -> [G * Qm, Hq * D]
-    out = (out.view(b, num_kv_heads, heads_per_kv, qm, head_dim).permute(0, 3, 1, 2, 4)
-           .reshape(b * qm, num_heads * head_dim))
+    out = q.new_empty(b, qm, num_kv_heads, group_size, head_dim)
+    for h in range(num_kv_heads):
+        k_h = keys[:, :, h]  # [G, L, D], rows strided by Hkv * D
+        v_h = values[:, :, h]
+        for start, end, mask_from, visible in group.tiles:
+            rows = end - start
+            q_t = q_hm[:, h, start:end].reshape(b, rows * group_size, head_dim)
+            scores = torch.bmm(q_t, k_h[:, :visible].transpose(1, 2))  # [G, rows*gs, Lt]
+            scores = scores.view(b, rows, group_size, visible)
+            if mask_from < visible:
+                scores[..., mask_from:].masked_fill_(
+                    group.mask[:, start:end, None, mask_from:visible], float("-inf"))
+            probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+            o = torch.bmm(probs.view(b, rows * group_size, visible), v_h[:, :visible])
+            out[:, start:end, h] = o.view(b, rows, group_size, head_dim)
+    out = out.view(b * qm, num_heads * head_dim)
     if group.q_index is not None:
         out = out.index_select(0, group.q_index)
     return out
