@@ -82,6 +82,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64, help="sequences per step at most")
     p.add_argument("--scheduling", choices=["continuous", "static"], default="continuous",
                    help="continuous batching, or static batches (a benchmark baseline)")
+    p.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",
+                   help="admission order: first come first served, or by request priority "
+                        "(lower first; then arrival)")
     p.add_argument("--seed", type=int, default=0, help="engine seed")
 
 
@@ -101,7 +104,8 @@ def _engine_config(args: argparse.Namespace):
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory_gib=args.kv_cache_memory,
                           enable_prefix_caching=not args.no_prefix_caching),
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
-                                  max_num_seqs=args.max_num_seqs, scheduling=args.scheduling),
+                                  max_num_seqs=args.max_num_seqs, scheduling=args.scheduling,
+                                  policy=args.scheduling_policy),
         seed=args.seed)
 
 

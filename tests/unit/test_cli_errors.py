@@ -72,3 +72,15 @@ def test_generate_answers_capital_of_france():
     proc = _run_cli("generate", "--prompt", "What is the capital of France?", "--temperature", "0")
     assert proc.returncode == 0, proc.stderr
     assert "Paris" in proc.stdout
+
+
+@pytest.mark.slow
+def test_chat_streams_answers_and_keeps_history():
+    proc = subprocess.run(
+        [sys.executable, "-m", "llmserve.cli", "chat", "--temperature", "0", "--max-tokens", "40"],
+        input="What is the capital of France?\nAnd of Italy?\n", capture_output=True, text=True,
+        timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    answers = [line for line in proc.stdout.splitlines() if line.strip()]
+    assert "Paris" in answers[0]
+    assert "Rome" in proc.stdout
