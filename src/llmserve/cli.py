@@ -1,4 +1,4 @@
-"""Command line: ``llmserve serve | generate | chat``."""
+"""Command line: ``llmserve serve | generate | chat | bench``."""
 
 from __future__ import annotations
 
@@ -56,6 +56,10 @@ def _build_parser() -> argparse.ArgumentParser:
                      help="on SIGTERM, time running requests get to finish")
     srv.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
     srv.set_defaults(func=_cmd_serve)
+
+    from llmserve.bench.cli import add_bench_parser
+
+    add_bench_parser(sub)
 
     chat = sub.add_parser("chat", help="interactive chat that streams tokens as they come")
     _add_engine_args(chat)

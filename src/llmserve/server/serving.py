@@ -194,11 +194,11 @@ async def _sse(engine: AsyncLLM, job: Job,
                 break
             for d in event.deltas:
                 completion_tokens += len(d.token_ids)
-                if not d.text and d.finish_reason is None and not d.logprobs:
-                    continue
+                if not d.token_ids and d.finish_reason is None:
+                    continue  # one chunk per token, even while its text is held back
                 index = p * n + d.index
                 if job.kind == "chat":
-                    delta = {"content": d.text} if d.text else {}
+                    delta = {"content": d.text}
                     choice = {"index": index, "delta": delta,
                               "logprobs": _chat_logprobs(engine, d.logprobs, k)}
                 else:

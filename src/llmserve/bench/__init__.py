@@ -1,0 +1,1 @@
+"""llmserve bench: load generation and reports against any OpenAI-compatible server."""

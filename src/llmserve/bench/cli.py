@@ -1,0 +1,211 @@
+"""``llmserve bench serve | sweep | compare | offline``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from llmserve.bench.workloads import WORKLOADS
+
+
+def add_bench_parser(sub: argparse._SubParsersAction) -> None:
+    bench = sub.add_parser("bench", help="benchmark a server (or the engine offline)")
+    bsub = bench.add_subparsers(dest="bench_command", required=True)
+
+    serve = bsub.add_parser("serve", help="load one OpenAI-compatible server and report")
+    _target_args(serve)
+    _workload_args(serve)
+    _arrival_args(serve)
+    serve.add_argument("--output", default=None,
+                       help="results JSON (default: ./bench-<time>.json)")
+    serve.set_defaults(func=_cmd_serve)
+
+    sweep = bsub.add_parser("sweep", help="one workload over several load points, plotted")
+    _target_args(sweep)
+    _workload_args(sweep)
+    sweep.add_argument("--concurrency", default=None, help="comma-separated, e.g. 1,4,16,64")
+    sweep.add_argument("--request-rate", default=None, help="comma-separated requests/s")
+    sweep.add_argument("--burstiness", type=float, default=1.0)
+    sweep.add_argument("--warmup", type=int, default=2)
+    sweep.add_argument("--label", default=None, help="name of this server in plots and tables")
+    sweep.add_argument("--output-dir", default="bench-sweep")
+    sweep.set_defaults(func=_cmd_sweep)
+
+    compare = bsub.add_parser("compare", help="side-by-side table and plot of several sweeps")
+    compare.add_argument("files", nargs="+", help="sweep.json (or single result) files")
+    compare.add_argument("--output", default="compare.md")
+    compare.add_argument("--plot", default="compare.png")
+    compare.add_argument("--title", default="throughput vs latency")
+    compare.set_defaults(func=_cmd_compare)
+
+    offline = bsub.add_parser("offline", help="engine throughput, continuous vs static")
+    offline.add_argument("--model", default="smollm2-135m-instruct")
+    offline.add_argument("--num-requests", type=int, default=200)
+    offline.add_argument("--max-num-seqs", type=int, default=64)
+    offline.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    offline.add_argument("--kv-cache-memory", type=float, default=2.0)
+    offline.add_argument("--seed", type=int, default=0)
+    offline.add_argument("--output", default=None, help="also write the results as JSON")
+    offline.set_defaults(func=_cmd_offline)
+
+
+def _target_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000 (or .../v1)")
+    p.add_argument("--model", default=None, help="model name to send (default: the first of "
+                   "/v1/models)")
+    p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--no-ignore-eos", action="store_true",
+                   help="do not ask the server to ignore EOS (output lengths then vary)")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
+    p.add_argument("--slo", default=None, help="e.g. ttft=500ms,tpot=50ms (goodput)")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def _workload_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workload", choices=WORKLOADS, default="random")
+    p.add_argument("--num-prompts", type=int, default=None,
+                   help="requests to send (default 100, or unbounded with --duration)")
+    p.add_argument("--input-len", type=int, default=256, help="prompt words (~tokens)")
+    p.add_argument("--output-len", type=int, default=128, help="max_tokens")
+    p.add_argument("--range-ratio", type=float, default=0.0)
+    p.add_argument("--prefix-len", type=int, default=512, help="shared-prefix: prefix words")
+    p.add_argument("--num-prefixes", type=int, default=1)
+    p.add_argument("--dataset", default=None, help="jsonl workload: path")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--duration", type=float, default=None, help="stop sending after N s")
+
+
+def _arrival_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--concurrency", type=int, default=None)
+    p.add_argument("--request-rate", type=float, default=None,
+                   help="requests/s (inf sends all at once)")
+    p.add_argument("--burstiness", type=float, default=1.0,
+                   help="gamma shape of inter-arrival times (1 = Poisson, <1 burstier)")
+    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--warmup", type=int, default=2, help="uncounted requests sent first")
+
+
+def _target(args: argparse.Namespace):
+    from llmserve.bench.client import Target
+
+    base = args.base_url.rstrip("/")
+    if not base.endswith("/v1"):
+        base += "/v1"
+    model = args.model or _first_model(base, args.api_key)
+    return Target(base, model, args.endpoint, args.api_key, not args.no_ignore_eos,
+                  args.temperature, args.timeout)
+
+
+def _first_model(base: str, api_key: str | None) -> str | None:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        data = httpx.get(f"{base}/models", headers=headers, timeout=10).json()
+        return data["data"][0]["id"]
+    except (httpx.HTTPError, KeyError, IndexError, ValueError):
+        return None
+
+
+def _workload(args: argparse.Namespace):
+    from llmserve.bench.workloads import WorkloadSpec, build_workload
+
+    n = args.num_prompts or (10000 if args.duration else 100)
+    spec = WorkloadSpec(args.workload, n, args.input_len, args.output_len, args.range_ratio,
+                        args.prefix_len, args.num_prefixes, args.dataset, args.seed)
+    return spec, build_workload(spec)
+
+
+def _run_point(args: argparse.Namespace, target, spec, requests, arrivals) -> dict[str, Any]:
+    from dataclasses import replace
+
+    from llmserve.bench.metrics import parse_slo
+    from llmserve.bench.runner import run_benchmark
+    from llmserve.bench.workloads import build_workload
+
+    warm = (build_workload(replace(spec, num_requests=arrivals.warmup, seed=spec.seed + 1))
+            if arrivals.warmup else [])
+    result = run_benchmark(target, requests, arrivals, parse_slo(args.slo),
+                           progress=not args.no_progress, warmup=warm)
+    result["workload"] = spec.describe()
+    result["arrivals_label"] = arrivals.label()
+    result["timestamp"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+    return result
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from llmserve.bench.report import summary_table
+    from llmserve.bench.runner import Arrivals
+
+    arrivals = Arrivals(args.concurrency, args.request_rate, args.burstiness,
+                        args.max_concurrency, args.duration, args.warmup, args.seed)
+    target = _target(args)
+    spec, requests = _workload(args)
+    result = _run_point(args, target, spec, requests, arrivals)
+    print(summary_table(result))
+    out = Path(args.output or f"bench-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    out.write_text(json.dumps(result, indent=1))
+    print(f"results: {out}")
+    return 0
+
+
+def _cmd_sweep(args: argparse.Namespace) -> int:
+    from llmserve.bench.report import plot_sweeps, summary_table
+    from llmserve.bench.runner import Arrivals
+
+    if (args.concurrency is None) == (args.request_rate is None):
+        raise ValueError("give exactly one of --concurrency or --request-rate (comma lists)")
+    target = _target(args)
+    spec, requests = _workload(args)
+    out_dir = Path(args.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    label = args.label or target.base_url
+    points = []
+    values = (args.concurrency or args.request_rate).split(",")
+    for v in values:
+        if args.concurrency:
+            arrivals = Arrivals(concurrency=int(v), duration=args.duration, warmup=args.warmup,
+                                seed=args.seed)
+        else:
+            arrivals = Arrivals(request_rate=float(v), burstiness=args.burstiness,
+                                duration=args.duration, warmup=args.warmup, seed=args.seed)
+        result = _run_point(args, target, spec, requests, arrivals)
+        result["label"] = label
+        print(summary_table(result), flush=True)
+        name = f"{'c' if args.concurrency else 'r'}{v}.json"
+        (out_dir / name).write_text(json.dumps(result, indent=1))
+        points.append(result)
+    sweep = {"label": label, "workload": spec.describe(), "points": [
+        {k: p[k] for k in ("arrivals", "summary", "arrivals_label")} for p in points]}
+    (out_dir / "sweep.json").write_text(json.dumps(sweep, indent=1))
+    plot_sweeps([sweep], out_dir / "sweep.png", f"{label}: {spec.describe()}")
+    print(f"sweep: {out_dir / 'sweep.json'}, plot: {out_dir / 'sweep.png'}")
+    return 0
+
+
+def _cmd_compare(args: argparse.Namespace) -> int:
+    from llmserve.bench.report import compare_markdown, load, plot_sweeps
+
+    sweeps = [load(f) for f in args.files]
+    table = compare_markdown(sweeps)
+    Path(args.output).write_text(table + "\n")
+    plot_sweeps(sweeps, args.plot, args.title)
+    print(table)
+    print(f"table: {args.output}, plot: {args.plot}")
+    return 0
+
+
+def _cmd_offline(args: argparse.Namespace) -> int:
+    from llmserve.bench.offline import offline_table, run_offline
+
+    report = run_offline(args.model, args.num_requests, args.seed, args.kv_cache_memory,
+                         args.max_num_seqs, args.max_num_batched_tokens)
+    print(offline_table(report))
+    if args.output:
+        Path(args.output).write_text(json.dumps(report, indent=1))
+    return 0

@@ -1,0 +1,122 @@
+"""Request workloads. Prompts are text made of common English words (about one token per
+word in byte-level BPE vocabularies), so the tool needs no tokenizer and works against any
+server; the real prompt and output lengths come back in each response's usage.
+
+Every workload is a deterministic function of its parameters and ``seed``: two runs with
+the same arguments send the same requests.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from dataclasses import asdict, dataclass
+from functools import cache
+from importlib import resources
+from pathlib import Path
+
+WORKLOADS = ("random", "sharegpt", "shared-prefix", "long", "jsonl")
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    prompt: str
+    prompt_words: int
+    max_tokens: int
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    name: str = "random"
+    num_requests: int = 100
+    input_len: int = 256  # random / long: prompt words
+    output_len: int = 128  # random / long / shared-prefix: max_tokens
+    range_ratio: float = 0.0  # random: lengths uniform in [len * (1 - r), len * (1 + r)]
+    prefix_len: int = 512  # shared-prefix: words of the shared system prompt
+    num_prefixes: int = 1  # shared-prefix: distinct shared prompts
+    jsonl_path: str | None = None  # jsonl: one {"prompt": ..., "max_tokens": ...} a line
+    seed: int = 0
+
+    def describe(self) -> str:
+        if self.name == "sharegpt":
+            return (f"sharegpt-like: {self.num_requests} requests, prompt words ~ lognormal("
+                    f"median {_SHAREGPT['p_median']}, sigma {_SHAREGPT['p_sigma']}) in "
+                    f"[{_SHAREGPT['p_min']}, {_SHAREGPT['p_max']}], output tokens ~ lognormal("
+                    f"median {_SHAREGPT['o_median']}, sigma {_SHAREGPT['o_sigma']}) in "
+                    f"[{_SHAREGPT['o_min']}, {_SHAREGPT['o_max']}], seed {self.seed}")
+        fields = {k: v for k, v in asdict(self).items() if v is not None}
+        return ", ".join(f"{k}={v}" for k, v in fields.items())
+
+
+_SHAREGPT = dict(p_median=160, p_sigma=0.9, p_min=8, p_max=1024,
+                 o_median=48, o_sigma=0.9, o_min=4, o_max=400)
+
+
+def build_workload(spec: WorkloadSpec) -> list[BenchRequest]:
+    if spec.name not in WORKLOADS:
+        raise ValueError(f"unknown workload {spec.name!r}; choose from {', '.join(WORKLOADS)}")
+    rng = random.Random(spec.seed)
+    n = spec.num_requests
+    if spec.name == "jsonl":
+        return _from_jsonl(spec)
+    if spec.name == "sharegpt":
+        s = _SHAREGPT
+        prompts = [_clip(rng.lognormvariate(math.log(s["p_median"]), s["p_sigma"]), s["p_min"],
+                         s["p_max"]) for _ in range(n)]
+        outputs = [_clip(rng.lognormvariate(math.log(s["o_median"]), s["o_sigma"]), s["o_min"],
+                         s["o_max"]) for _ in range(n)]
+        return [BenchRequest(_text(rng, p), p, o) for p, o in zip(prompts, outputs)]
+    if spec.name == "shared-prefix":
+        prefixes = [_text(rng, spec.prefix_len) for _ in range(spec.num_prefixes)]
+        out = []
+        for i in range(n):
+            tail = max(1, spec.input_len)
+            out.append(BenchRequest(f"{prefixes[i % len(prefixes)]}\n\n{_text(rng, tail)}",
+                                    spec.prefix_len + tail, spec.output_len))
+        return out
+    length = spec.input_len if spec.name == "random" else max(spec.input_len, 2048)
+    lo = max(1, int(length * (1 - spec.range_ratio)))
+    hi = max(lo, int(length * (1 + spec.range_ratio)))
+    out_lo = max(1, int(spec.output_len * (1 - spec.range_ratio)))
+    out_hi = max(out_lo, int(spec.output_len * (1 + spec.range_ratio)))
+    reqs = []
+    for _ in range(n):
+        p = rng.randint(lo, hi)
+        reqs.append(BenchRequest(_text(rng, p), p, rng.randint(out_lo, out_hi)))
+    return reqs
+
+
+def _from_jsonl(spec: WorkloadSpec) -> list[BenchRequest]:
+    if not spec.jsonl_path:
+        raise ValueError("the jsonl workload needs --dataset PATH")
+    reqs = []
+    for i, line in enumerate(Path(spec.jsonl_path).read_text().splitlines()):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            prompt = row["prompt"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise ValueError(f"{spec.jsonl_path}:{i + 1}: expected a JSON object with a "
+                             "'prompt'") from None
+        reqs.append(BenchRequest(prompt, len(prompt.split()),
+                                 int(row.get("max_tokens", spec.output_len))))
+    if not reqs:
+        raise ValueError(f"{spec.jsonl_path}: no prompts")
+    return [reqs[i % len(reqs)] for i in range(spec.num_requests)]
+
+
+def _clip(x: float, lo: int, hi: int) -> int:
+    return min(hi, max(lo, int(x)))
+
+
+@cache
+def _words() -> tuple[str, ...]:
+    text = resources.files("llmserve.bench").joinpath("words.txt").read_text()
+    return tuple(w for w in text.split() if w)
+
+
+def _text(rng: random.Random, n_words: int) -> str:
+    words = _words()
+    return " ".join(rng.choice(words) for _ in range(n_words))

@@ -1,0 +1,89 @@
+"""`llmserve bench` against live tiny-model servers."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tests.e2e.conftest import API_KEY
+
+
+def _bench(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "llmserve.cli", "bench", *args],
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_serve_reports_consistent_metrics(tiny_server, tmp_path):
+    out = tmp_path / "run.json"
+    proc = _bench("serve", "--base-url", tiny_server.url, "--api-key", API_KEY,
+                  "--num-prompts", "12", "--concurrency", "4", "--input-len", "20",
+                  "--output-len", "10", "--slo", "ttft=10s,tpot=1s", "--output", str(out),
+                  "--no-progress")
+    assert proc.returncode == 0, proc.stderr
+    assert "TTFT" in proc.stdout and "goodput" in proc.stdout
+    result = json.loads(out.read_text())
+    s = result["summary"]
+    assert s["completed"] == s["requests"] == 12 and s["errors"] == {}
+    for key in ("request_throughput", "output_throughput", "total_token_throughput", "goodput"):
+        assert s[key] > 0
+    for metric in ("ttft", "tpot", "itl", "e2e"):
+        assert set(s[metric]) == {"mean", "p50", "p90", "p95", "p99"}
+        assert all(v is not None for v in s[metric].values())
+    assert s["output_tokens"] == 12 * 10  # usage, with ignore_eos holding the length
+    for r in result["requests"]:
+        assert 0 < r["ttft"] <= r["e2e"]
+        assert len(r["itl"]) == r["output_tokens"] - 1 == 9
+        assert r["prompt_tokens"] == 20  # one token per word, as the workload intends
+        assert r["tpot"] > 0
+
+
+def test_same_seed_sends_the_same_requests(tiny_server, tmp_path):
+    runs = []
+    for i in range(2):
+        out = tmp_path / f"r{i}.json"
+        proc = _bench("serve", "--base-url", tiny_server.url, "--api-key", API_KEY,
+                      "--workload", "sharegpt", "--num-prompts", "6", "--request-rate", "50",
+                      "--seed", "11", "--output", str(out), "--no-progress", "--warmup", "0")
+        assert proc.returncode == 0, proc.stderr
+        runs.append(json.loads(out.read_text()))
+    shape = [[(r["prompt_tokens"], r["max_tokens"]) for r in sorted(
+        run["requests"], key=lambda r: (r["prompt_tokens"], r["max_tokens"]))] for run in runs]
+    assert shape[0] == shape[1]
+
+
+def test_429s_are_counted_not_fatal(tiny_path, tmp_path):
+    from tests.e2e.conftest import start_server
+
+    server = start_server(tiny_path, tmp_path, "--max-num-seqs", "1", "--max-queued-requests",
+                          "1", "--max-model-len", "1024", name="bench429")
+    try:
+        out = tmp_path / "burst.json"
+        proc = _bench("serve", "--base-url", server.url, "--num-prompts", "10",
+                      "--request-rate", "inf", "--input-len", "8", "--output-len", "20",
+                      "--output", str(out), "--no-progress", "--warmup", "0")
+        assert proc.returncode == 0, proc.stderr
+        s = json.loads(out.read_text())["summary"]
+        assert s["errors"].get("429", 0) >= 1
+        assert s["completed"] >= 1
+        assert s["completed"] + s["errors"]["429"] == 10
+    finally:
+        assert server.stop() == 0
+
+
+def test_sweep_and_compare_write_json_and_plots(tiny_server, tmp_path):
+    for label in ("a", "b"):
+        proc = _bench("sweep", "--base-url", tiny_server.url, "--api-key", API_KEY,
+                      "--concurrency", "1,2", "--num-prompts", "4", "--input-len", "10",
+                      "--output-len", "5", "--label", label, "--output-dir",
+                      str(tmp_path / label), "--no-progress", "--warmup", "1")
+        assert proc.returncode == 0, proc.stderr
+        assert (tmp_path / label / "c1.json").exists() and (tmp_path / label / "c2.json").exists()
+        assert (tmp_path / label / "sweep.png").stat().st_size > 1000
+    md, png = tmp_path / "cmp.md", tmp_path / "cmp.png"
+    proc = _bench("compare", str(tmp_path / "a" / "sweep.json"), str(tmp_path / "b" / "sweep.json"),
+                  "--output", str(md), "--plot", str(png))
+    assert proc.returncode == 0, proc.stderr
+    table = md.read_text()
+    assert "| load | metric | a | b |" in table and "| c=2 | TTFT p99 ms |" in table
+    assert png.stat().st_size > 1000
