@@ -90,9 +90,9 @@ def test_malformed_json_and_unsupported_features_are_400(tiny_server):
 
 @pytest.fixture(scope="module")
 def tight_server(tiny_path, tmp_path_factory):
-    """One sequence at a time, a queue of 2, a 2-second deadline."""
+    """One sequence at a time, a queue of 2, a 1-second deadline."""
     server = start_server(tiny_path, tmp_path_factory.mktemp("tight"), "--max-num-seqs", "1",
-                          "--max-queued-requests", "2", "--request-timeout", "2",
+                          "--max-queued-requests", "2", "--request-timeout", "1",
                           "--max-model-len", "1024", name="tight")
     yield server
     assert server.stop() == 0
@@ -125,7 +125,7 @@ def test_deadline_ends_a_request_with_a_clear_error(tight_server):
                    json={"model": tight_server.model, "prompt": "hi", "max_tokens": 1000,
                          "ignore_eos": True, "min_tokens": 1000})
     err = _envelope(r, 408, code="request_timeout")
-    assert "timed out after 2 s" in err["message"]
+    assert "timed out after 1 s" in err["message"]
     with httpx.stream("POST", f"{tight_server.v1}/completions", timeout=60,
                       json={"model": tight_server.model, "prompt": "hi", "max_tokens": 1000,
                             "ignore_eos": True, "stream": True}) as s:
