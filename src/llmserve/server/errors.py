@@ -36,6 +36,11 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 
 def param_of(message: str) -> str | None:
-    """SamplingParams messages start with the field name."""
-    head = message.split(" ", 1)[0]
-    return head.split("[", 1)[0] if head.replace("_", "").replace("[", "").isalnum() else None
+    """The parameter a validation message is about: SamplingParams messages start with the
+    field's name."""
+    from dataclasses import fields
+
+    from llmserve.sampling_params import SamplingParams
+
+    name = message.split(" ", 1)[0].split("[", 1)[0]
+    return name if name in {f.name for f in fields(SamplingParams)} else None
