@@ -11,6 +11,7 @@ import asyncio
 import time
 
 import uvicorn
+from fastapi import FastAPI
 
 from llmserve.config import EngineConfig, ServerConfig
 from llmserve.engine.async_llm import AsyncLLM
@@ -58,7 +59,10 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
+def create_app(engine_config: EngineConfig,
+               config: ServerConfig) -> tuple[FastAPI, AsyncLLM, ServerState]:
+    """Load and warm the model, start the engine thread, build the app. Also the in-process
+    mode: serve the returned app with any ASGI server or test client, in this process."""
     model_name = config.served_model_name or engine_config.model.model
     metrics = ServerMetrics(model_name)
     engine = AsyncLLM(engine_config, max_queued_requests=config.max_queued_requests,
@@ -70,6 +74,12 @@ def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
     engine.start()
     metrics.update_gauges(engine.core.stats())
     state.ready = True
+    return app, engine, state
+
+
+def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
+    app, engine, state = create_app(engine_config, config)
+    model_name = config.served_model_name or engine_config.model.model
     uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
                                timeout_graceful_shutdown=5, timeout_keep_alive=5)
     server = DrainingServer(uv_config, engine, state, config.shutdown_timeout)

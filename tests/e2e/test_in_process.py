@@ -1,0 +1,32 @@
+"""The in-process mode: the app and its engine thread in the test's own process."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+
+from llmserve.config import CacheConfig, EngineConfig, ModelConfig, ServerConfig
+from llmserve.server.launcher import create_app
+
+
+def test_in_process_app_serves_requests(tiny_path):
+    engine_config = EngineConfig(model=ModelConfig(tiny_path, max_model_len=512),
+                                 cache=CacheConfig(num_blocks=64))
+    app, engine, state = create_app(engine_config, ServerConfig())
+    try:
+        async def go() -> None:
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+                assert (await c.get("/ready")).status_code == 200
+                r = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 5,
+                                                          "ignore_eos": True})
+                assert r.status_code == 200, r.text
+                assert r.json()["usage"]["completion_tokens"] == 5
+                state.draining = True
+                assert (await c.get("/ready")).status_code == 503
+
+        asyncio.run(go())
+    finally:
+        engine.shutdown()
+    assert engine.core.stats().kv_blocks_used == 0
