@@ -115,9 +115,8 @@ class ModelRunner:
         query_lens = [s.num_tokens for s in items]
         seq_lens = [s.start_pos + s.num_tokens for s in items]
         max_blocks = max(len(s.block_ids) for s in items)
-        tables = torch.zeros(len(items), max_blocks, dtype=torch.int64)
-        for row, s in enumerate(items):
-            tables[row, :len(s.block_ids)] = torch.tensor(s.block_ids, dtype=torch.int64)
+        tables = torch.tensor([s.block_ids + [0] * (max_blocks - len(s.block_ids))
+                               for s in items], dtype=torch.int64)  # [B, max_blocks]
         input_ids = torch.tensor([t for s in items for t in s.token_ids], dtype=torch.int64)
         positions = torch.cat([torch.arange(s.start_pos, s.start_pos + s.num_tokens)
                                for s in items])
