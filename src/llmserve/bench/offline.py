@@ -11,11 +11,12 @@ after every step:
 
 from __future__ import annotations
 
-import math
 import random
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
+
+from llmserve.bench.workloads import sharegpt_description, sharegpt_lengths
 
 
 @dataclass
@@ -34,19 +35,12 @@ class OfflineResult:
 
 def sharegpt_like_token_workload(n: int, seed: int, vocab: int = 49152
                                  ) -> tuple[list[list[int]], list[int], str]:
-    """Lognormal lengths, as in ShareGPT traces: many short turns, a long tail."""
+    """The HTTP benchmark's ShareGPT-like lengths, as random token ids."""
     rng = random.Random(seed)
-    p_mu, p_sigma, p_min, p_max = math.log(160), 0.9, 8, 1024
-    o_mu, o_sigma, o_min, o_max = math.log(48), 0.9, 4, 400
-    prompt_lens = [min(p_max, max(p_min, int(rng.lognormvariate(p_mu, p_sigma))))
-                   for _ in range(n)]
-    output_lens = [min(o_max, max(o_min, int(rng.lognormvariate(o_mu, o_sigma))))
-                   for _ in range(n)]
+    prompt_lens, output_lens = sharegpt_lengths(rng, n)
     prompts = [[rng.randrange(17, vocab) for _ in range(k)] for k in prompt_lens]
-    desc = (f"{n} requests; prompt tokens ~ lognormal(median {math.exp(p_mu):.0f}, sigma "
-            f"{p_sigma}) clipped to [{p_min}, {p_max}], total {sum(prompt_lens)}; output tokens"
-            f" ~ lognormal(median {math.exp(o_mu):.0f}, sigma {o_sigma}) clipped to "
-            f"[{o_min}, {o_max}], total {sum(output_lens)}; seed {seed}")
+    desc = (f"{n} requests; {sharegpt_description()} (prompt lengths in tokens); prompt "
+            f"tokens {sum(prompt_lens)}, output tokens {sum(output_lens)}; seed {seed}")
     return prompts, output_lens, desc
 
 

@@ -40,17 +40,32 @@ class WorkloadSpec:
 
     def describe(self) -> str:
         if self.name == "sharegpt":
-            return (f"sharegpt-like: {self.num_requests} requests, prompt words ~ lognormal("
-                    f"median {_SHAREGPT['p_median']}, sigma {_SHAREGPT['p_sigma']}) in "
-                    f"[{_SHAREGPT['p_min']}, {_SHAREGPT['p_max']}], output tokens ~ lognormal("
-                    f"median {_SHAREGPT['o_median']}, sigma {_SHAREGPT['o_sigma']}) in "
-                    f"[{_SHAREGPT['o_min']}, {_SHAREGPT['o_max']}], seed {self.seed}")
+            return (f"sharegpt-like: {self.num_requests} requests, {sharegpt_description()} "
+                    f"(prompt lengths in words), seed {self.seed}")
         fields = {k: v for k, v in asdict(self).items() if v is not None}
         return ", ".join(f"{k}={v}" for k, v in fields.items())
 
 
 _SHAREGPT = dict(p_median=160, p_sigma=0.9, p_min=8, p_max=1024,
                  o_median=48, o_sigma=0.9, o_min=4, o_max=400)
+
+
+def sharegpt_lengths(rng: random.Random, n: int) -> tuple[list[int], list[int]]:
+    """ShareGPT-like (prompt, output) lengths: lognormal, many short turns, a long tail.
+    Shared by the HTTP workload (words) and the offline benchmark (token ids)."""
+    s = _SHAREGPT
+    prompts = [_clip(rng.lognormvariate(math.log(s["p_median"]), s["p_sigma"]), s["p_min"],
+                     s["p_max"]) for _ in range(n)]
+    outputs = [_clip(rng.lognormvariate(math.log(s["o_median"]), s["o_sigma"]), s["o_min"],
+                     s["o_max"]) for _ in range(n)]
+    return prompts, outputs
+
+
+def sharegpt_description() -> str:
+    s = _SHAREGPT
+    return (f"prompt ~ lognormal(median {s['p_median']}, sigma {s['p_sigma']}) in "
+            f"[{s['p_min']}, {s['p_max']}], output tokens ~ lognormal(median {s['o_median']}, "
+            f"sigma {s['o_sigma']}) in [{s['o_min']}, {s['o_max']}]")
 
 
 def build_workload(spec: WorkloadSpec) -> list[BenchRequest]:
@@ -61,11 +76,7 @@ def build_workload(spec: WorkloadSpec) -> list[BenchRequest]:
     if spec.name == "jsonl":
         return _from_jsonl(spec)
     if spec.name == "sharegpt":
-        s = _SHAREGPT
-        prompts = [_clip(rng.lognormvariate(math.log(s["p_median"]), s["p_sigma"]), s["p_min"],
-                         s["p_max"]) for _ in range(n)]
-        outputs = [_clip(rng.lognormvariate(math.log(s["o_median"]), s["o_sigma"]), s["o_min"],
-                         s["o_max"]) for _ in range(n)]
+        prompts, outputs = sharegpt_lengths(rng, n)
         return [BenchRequest(_text(rng, p), p, o) for p, o in zip(prompts, outputs)]
     if spec.name == "shared-prefix":
         prefixes = [_text(rng, spec.prefix_len) for _ in range(spec.num_prefixes)]
