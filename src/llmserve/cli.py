@@ -6,7 +6,10 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from llmserve.attention.kv_format import KV_CACHE_DTYPE_CHOICES
+from llmserve.config import quantization_choices
 from llmserve.errors import LLMServeError
+from llmserve.layers.quantization.base import DTYPES, INT4_GROUP_SIZES
 from llmserve.models.loader import DEFAULT_MODEL
 
 
@@ -76,6 +79,17 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1...)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="context window (default: the model's)")
+    p.add_argument("--quantization", choices=quantization_choices(), default="auto",
+                   help="weight format of the decoder layers: int8 (per-channel scales), "
+                        "int4 (group-wise scales), none (dense --dtype); auto: what the file "
+                        "holds (a 4-bit GGUF loads as int4)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
+                   help="dtype of weights kept dense")
+    p.add_argument("--int4-group-size", type=int, choices=INT4_GROUP_SIZES, default=32,
+                   help="input channels per int4 scale")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPE_CHOICES, default="auto",
+                   help="KV cache storage (8-bit formats keep a scale per token and head; "
+                        "auto: --dtype)")
     p.add_argument("--kv-cache-memory", type=float, default=None, metavar="GIB",
                    help="memory for the KV cache in GiB (default: a tenth of available RAM, "
                         "0.25 to 2 GiB)")
@@ -104,9 +118,12 @@ def _engine_config(args: argparse.Namespace):
     from llmserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 
     return EngineConfig(
-        model=ModelConfig(args.model, args.device, args.max_model_len),
+        model=ModelConfig(args.model, args.device, args.max_model_len,
+                          quantization=args.quantization, dtype=args.dtype,
+                          int4_group_size=args.int4_group_size),
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory_gib=args.kv_cache_memory,
-                          enable_prefix_caching=not args.no_prefix_caching),
+                          enable_prefix_caching=not args.no_prefix_caching,
+                          kv_cache_dtype=args.kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_num_seqs=args.max_num_seqs, scheduling=args.scheduling,
                                   policy=args.scheduling_policy),

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from llmserve.attention.kv_format import KV_CACHE_DTYPE_CHOICES
+from llmserve.layers.quantization import list_quantization_methods
+from llmserve.layers.quantization.base import DTYPES, INT4_GROUP_SIZES
 from llmserve.models.loader import DEFAULT_MODEL
 
 SCHEDULING_MODES = ("continuous", "static")
@@ -15,10 +18,25 @@ class ModelConfig:
     model: str = DEFAULT_MODEL
     device: str = "cpu"
     max_model_len: int | None = None  # default: the model's own context length
+    quantization: str = "auto"  # auto: what the file holds (GGUF 4-bit -> int4, ...)
+    dtype: str = "float32"  # of the weights kept dense
+    int4_group_size: int = 32
 
     def __post_init__(self) -> None:
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        choices = quantization_choices()
+        if self.quantization not in choices:
+            raise ValueError(f"quantization must be one of {choices}, got {self.quantization!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.int4_group_size not in INT4_GROUP_SIZES:
+            raise ValueError(f"int4 group size must be one of {INT4_GROUP_SIZES}, "
+                             f"got {self.int4_group_size}")
+
+
+def quantization_choices() -> tuple[str, ...]:
+    return ("auto", *list_quantization_methods())
 
 
 @dataclass(frozen=True)
@@ -27,8 +45,12 @@ class CacheConfig:
     kv_cache_memory_gib: float | None = None  # default: see kv_cache.sizing
     num_blocks: int | None = None  # overrides the memory budget (tests, benchmarks)
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"  # auto: the dense weight dtype
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPE_CHOICES}, "
+                             f"got {self.kv_cache_dtype!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.kv_cache_memory_gib is not None and self.kv_cache_memory_gib <= 0:

@@ -3,8 +3,9 @@
 Each request run alone (whole prompt in one step, no prefix cache) is the reference; the
 batched runs mix chunked prefills and decodes under a small token budget, force preemption
 with a small KV pool, and share a long system prompt through the prefix cache. Batch
-invariance (MKL's strict reproducibility mode for matrix products, row-independent
-attention) makes the identity exact.
+invariance (MKL's strict reproducibility mode for float32 matrix products, exact integer
+sums for int8, a row-at-a-time kernel for int4, per-token KV scales, row-independent
+attention) makes the identity exact, for every weight and KV cache format.
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ def _workload(seed: int, n: int, max_prompt: int, max_out: int):
     return prompts, params
 
 
-def _alone(model: str, prompts, params) -> list[list[int]]:
+def _alone(model: str, prompts, params, fmt) -> list[list[int]]:
     llm = LLM(model, num_kv_blocks=128, max_num_batched_tokens=4096,
-              enable_prefix_caching=False, max_model_len=1024)
+              enable_prefix_caching=False, max_model_len=1024, **fmt)
     return [llm.generate([p], sp)[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
 
 
@@ -41,17 +42,17 @@ def _batched(model: str, prompts, params, **kw):
     return [o.outputs[0].token_ids for o in outs], stats
 
 
-def _check_equivalence(model: str, max_out: int):
+def _check_equivalence(model: str, max_out: int, **fmt):
     prompts, params = _workload(0, 32, 600, max_out)
-    reference = _alone(model, prompts, params)
+    reference = _alone(model, prompts, params, fmt)
 
     got, stats = _batched(model, prompts, params, num_kv_blocks=2048,
-                          max_num_batched_tokens=96, max_num_seqs=32)
+                          max_num_batched_tokens=96, max_num_seqs=32, **fmt)
     assert got == reference
     assert stats.num_preemptions == 0
 
     got, stats = _batched(model, prompts, params, num_kv_blocks=128,
-                          max_num_batched_tokens=128, max_num_seqs=32)
+                          max_num_batched_tokens=128, max_num_seqs=32, **fmt)
     assert stats.num_preemptions > 0, "the small pool was meant to force preemption"
     assert got == reference
 
@@ -59,19 +60,32 @@ def _check_equivalence(model: str, max_out: int):
     system = [rng.randrange(17, 49152) for _ in range(200)]
     shared = [system + p[: rng.randint(1, 60)] for p in prompts[:16]]
     shared_params = params[:16]
-    reference = _alone(model, shared, shared_params)
+    reference = _alone(model, shared, shared_params, fmt)
     for caching in (True, False):
         got, stats = _batched(model, shared, shared_params, num_kv_blocks=1024,
-                              max_num_batched_tokens=256, enable_prefix_caching=caching)
+                              max_num_batched_tokens=256, enable_prefix_caching=caching, **fmt)
         assert got == reference, f"prefix caching {'on' if caching else 'off'}"
         assert (stats.prefix_hits > 0) == caching
 
 
-def test_batched_equals_alone_tiny_model(tiny_model_dir):
+FORMATS = [
+    pytest.param({}, id="float32"),
+    pytest.param({"quantization": "int4"}, id="int4"),
+    pytest.param({"quantization": "int8"}, id="int8", marks=pytest.mark.slow),
+    pytest.param({"dtype": "bfloat16"}, id="bfloat16", marks=pytest.mark.slow),
+    pytest.param({"kv_cache_dtype": "fp8_e4m3"}, id="kv-fp8", marks=pytest.mark.slow),
+    pytest.param({"quantization": "int8", "kv_cache_dtype": "int8"}, id="int8-kv-int8",
+                 marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_batched_equals_alone_tiny_model(tiny_model_dir, fmt):
     path, _ = tiny_model_dir("llama-gqa")
-    _check_equivalence(str(path), max_out=48)
+    _check_equivalence(str(path), max_out=48, **fmt)
 
 
 @pytest.mark.slow
 def test_batched_equals_alone_smollm2():
+    """The embedded model in its default format (int4 layers from its Q4_1 file)."""
     _check_equivalence(DEFAULT_MODEL, max_out=24)

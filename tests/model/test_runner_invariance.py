@@ -1,9 +1,11 @@
-"""A request's logits are bitwise the same alone and inside any mixed batch."""
+"""A request's logits are bitwise the same alone and inside any mixed batch, for every
+weight format and KV cache format."""
 
 from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 from llmserve.models.loader import load_model
@@ -15,27 +17,39 @@ GREEDY = SamplingParams(temperature=0)
 BS = 16
 
 
-def _runner(model, num_blocks=256):
-    return ModelRunner(model.model, model.arch_config, num_blocks=num_blocks, block_size=BS)
+FORMATS = [  # (quantization, dtype, kv cache dtype)
+    ("none", "float32", "float32"),
+    ("none", "bfloat16", "bfloat16"),
+    ("int8", "float32", "float32"),
+    ("int4", "float32", "float32"),
+    ("none", "float32", "fp8_e4m3"),
+    ("int4", "float32", "int8"),
+]
+
+
+def _runner(model, kv_cache_dtype="float32", num_blocks=256):
+    return ModelRunner(model.model, model.arch_config, num_blocks=num_blocks, block_size=BS,
+                       kv_cache_dtype=kv_cache_dtype)
 
 
 def _item(rid, tokens, start, blocks, sample=True):
     return ScheduledRequest(rid, tokens, start, blocks, sample, GREEDY)
 
 
-def test_logits_identical_alone_and_in_mixed_batches(tiny_model_dir):
+@pytest.mark.parametrize(("quantization", "dtype", "kv"), FORMATS, ids=lambda v: v)
+def test_logits_identical_alone_and_in_mixed_batches(tiny_model_dir, quantization, dtype, kv):
     path, _ = tiny_model_dir("llama-gqa")
-    model = load_model(str(path))
+    model = load_model(str(path), quantization=quantization, dtype=dtype)
     rng = random.Random(0)
     target = [rng.randrange(17, 49152) for _ in range(70)]
     target_blocks = list(range(0, 5))
 
-    alone = _runner(model)
+    alone = _runner(model, kv)
     ref_prefill = alone.forward_logits(SchedulerOutput([_item("t", target, 0, target_blocks)]))
     ref_decode = alone.forward_logits(SchedulerOutput([_item("t", [5], 70, target_blocks)]))
 
     for trial in range(4):
-        runner = _runner(model)
+        runner = _runner(model, kv)
         others, next_block = [], 10
         for j in range(rng.randint(1, 6)):
             n = rng.randint(1, 90)

@@ -23,7 +23,7 @@ def hf_smollm2():
 
 @pytest.fixture(scope="module")
 def ours():
-    return load_model(DEFAULT_MODEL)
+    return load_model(DEFAULT_MODEL, quantization="none")
 
 
 def test_smollm2_logits_match_transformers(hf_smollm2, ours):
@@ -39,7 +39,7 @@ def test_smollm2_logits_match_transformers(hf_smollm2, ours):
 def test_smollm2_greedy_64_tokens_match_transformers(hf_smollm2):
     from llmserve import LLM, SamplingParams
 
-    llm = LLM(DEFAULT_MODEL, num_kv_blocks=64)
+    llm = LLM(DEFAULT_MODEL, num_kv_blocks=64, quantization="none")
     ids = llm.tokenizer.encode_chat([{"role": "user", "content": "Write a poem about the sea."}])
     with torch.no_grad():
         ref = hf_smollm2.generate(torch.tensor([ids]), max_new_tokens=64, min_new_tokens=64,

@@ -13,6 +13,8 @@ from typing import Any, Protocol
 
 import torch
 
+from llmserve.attention.kv_format import PagedKVCache
+
 
 @dataclass
 class BatchLayout:
@@ -38,11 +40,11 @@ class AttentionBackend(Protocol):
         ...
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: tuple[torch.Tensor, torch.Tensor], metadata: Any,
-                scale: float) -> torch.Tensor:
+                kv_cache: PagedKVCache, metadata: Any, scale: float) -> torch.Tensor:
         """``q``: [T, Hq, D]; ``k``, ``v``: [T, Hkv, D]; returns [T, Hq * D].
 
-        ``kv_cache`` is (key_cache, value_cache), each [num_blocks, block_size, Hkv, D].
+        ``kv_cache`` is the layer's paged cache (keys and values, each
+        [num_blocks, block_size, Hkv, D], in its storage format).
         """
         ...
 
@@ -53,7 +55,7 @@ class AttentionContext:
 
     backend: AttentionBackend
     metadata: Any
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # one (K, V) pair per layer
+    kv_caches: list[PagedKVCache]  # one per layer
 
 
 _BACKENDS: dict[str, type] = {}

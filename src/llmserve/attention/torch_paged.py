@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from llmserve.attention.backend import BatchLayout, register_attention_backend
+from llmserve.attention.kv_format import PagedKVCache
 
 _QUERY_TILE = 128  # rows of a prefill chunk attended together
 
@@ -117,26 +118,20 @@ class TorchPagedBackend:
                               q_index, mask, tiles)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: tuple[torch.Tensor, torch.Tensor], metadata: TorchPagedMetadata,
+                kv_cache: PagedKVCache, metadata: TorchPagedMetadata,
                 scale: float) -> torch.Tensor:
-        key_cache, value_cache = kv_cache  # [num_blocks, block_size, Hkv, D]
-        num_kv_heads, head_dim = k.shape[1], k.shape[2]
-        key_cache.view(-1, num_kv_heads, head_dim).index_copy_(
-            0, metadata.slot_mapping, k.to(key_cache.dtype))
-        value_cache.view(-1, num_kv_heads, head_dim).index_copy_(
-            0, metadata.slot_mapping, v.to(value_cache.dtype))
+        kv_cache.store(metadata.slot_mapping, k, v)
         if len(metadata.groups) == 1:
-            return _attend(q, key_cache, value_cache, metadata.groups[0], scale)
-        out = q.new_empty(q.shape[0], q.shape[1] * head_dim)
+            return _attend(q, kv_cache, metadata.groups[0], scale)
+        out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
         for group in metadata.groups:
             qg = q.index_select(0, group.token_index)
-            out.index_copy_(0, group.token_index,
-                            _attend(qg, key_cache, value_cache, group, scale))
+            out.index_copy_(0, group.token_index, _attend(qg, kv_cache, group, scale))
         return out
 
 
-def _attend(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-            group: AttentionGroup, scale: float) -> torch.Tensor:
+def _attend(q: torch.Tensor, kv_cache: PagedKVCache, group: AttentionGroup,
+            scale: float) -> torch.Tensor:
     """``q``: [Tg, Hq, D] -> [Tg, Hq * D] for one group.
 
     1. Gather the group's blocks: [G, L, Hkv, D] for keys and values (one index_select).
@@ -145,7 +140,7 @@ def _attend(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
        in float32, times v.
     """
     _, num_heads, head_dim = q.shape
-    num_blocks, _, num_kv_heads, _ = key_cache.shape
+    num_kv_heads = kv_cache.key.shape[2]
     group_size = num_heads // num_kv_heads
     b, qm, ctx = group.num_seqs, group.max_query_len, group.context_len
     if group.q_index is None:
@@ -157,13 +152,11 @@ def _attend(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
     q_hm = q_pad.view(b, qm, num_kv_heads, group_size, head_dim).permute(0, 2, 1, 3, 4)
     q_hm = (q_hm * scale).contiguous()
     if group.keys is None:  # first layer of the step: allocate the gather buffers
-        shape = (group.block_ids.numel(), key_cache[0].numel())
-        group.keys = key_cache.new_empty(shape)
-        group.values = value_cache.new_empty(shape)
-    torch.index_select(key_cache.view(num_blocks, -1), 0, group.block_ids, out=group.keys)
-    torch.index_select(value_cache.view(num_blocks, -1), 0, group.block_ids, out=group.values)
-    keys = group.keys.view(b, ctx, num_kv_heads, head_dim).to(q.dtype)
-    values = group.values.view(b, ctx, num_kv_heads, head_dim).to(q.dtype)
+        group.keys = kv_cache.gather_buffer(group.block_ids.numel())
+        group.values = kv_cache.gather_buffer(group.block_ids.numel())
+    keys, values = kv_cache.gather(group.block_ids, group.keys, group.values)
+    keys = keys.view(b, ctx, num_kv_heads, head_dim)
+    values = values.view(b, ctx, num_kv_heads, head_dim)
 
     out = q.new_empty(b, qm, num_kv_heads, group_size, head_dim)
     for h in range(num_kv_heads):

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from llmserve.attention.kv_format import kv_bytes_per_vector, resolve_kv_cache_dtype
 from llmserve.config import EngineConfig
 from llmserve.engine.request import Request, RequestStatus
 from llmserve.kv_cache import KVCacheManager, KVCacheSpec, num_blocks_for_memory
@@ -54,14 +55,19 @@ class EngineCore:
         self.config = config
         torch.set_num_threads(len(os.sched_getaffinity(0)))
         torch.manual_seed(config.seed)
-        self.loaded = loaded or load_model(config.model.model, config.model.device)
+        mc = config.model
+        self.loaded = loaded or load_model(mc.model, mc.device, quantization=mc.quantization,
+                                           dtype=mc.dtype, group_size=mc.int4_group_size)
+        logger.info(self.loaded.describe())
         arch = self.loaded.arch_config
         self.tokenizer = self.loaded.tokenizer
         self.eos_token_ids = self.tokenizer.stop_token_ids | frozenset(arch.eos_token_ids)
 
         cache = config.cache
+        kv_dtype = resolve_kv_cache_dtype(cache.kv_cache_dtype, self.loaded.weight_format.dtype)
         spec = KVCacheSpec(arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim,
-                           cache.block_size, dtype_bytes=4)
+                           cache.block_size, kv_bytes_per_vector(kv_dtype, arch.head_dim),
+                           kv_dtype)
         num_blocks = cache.num_blocks or num_blocks_for_memory(
             spec, cache.kv_cache_memory_gib or default_kv_cache_memory_gib())
         self.max_model_len = self._resolve_max_model_len(num_blocks * cache.block_size)
@@ -74,6 +80,7 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, self.kv_manager)
         self.runner = ModelRunner(self.loaded.model, arch, num_blocks=num_blocks,
                                   block_size=cache.block_size, device=config.model.device,
+                                  kv_cache_dtype=kv_dtype,
                                   seed=config.seed, eos_token_ids=self.eos_token_ids)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],

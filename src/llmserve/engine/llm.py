@@ -26,12 +26,16 @@ class LLM:
                  enable_prefix_caching: bool = True, max_num_batched_tokens: int = 2048,
                  max_num_seqs: int = 64, scheduling: str = "continuous",
                  policy: str = "fcfs", enable_chunked_prefill: bool = True,
-                 seed: int = 0) -> None:
+                 seed: int = 0, quantization: str = "auto", dtype: str = "float32",
+                 int4_group_size: int = 32, kv_cache_dtype: str = "auto") -> None:
         config = EngineConfig(
-            model=ModelConfig(model=model, device=device, max_model_len=max_model_len),
+            model=ModelConfig(model=model, device=device, max_model_len=max_model_len,
+                              quantization=quantization, dtype=dtype,
+                              int4_group_size=int4_group_size),
             cache=CacheConfig(block_size=block_size, kv_cache_memory_gib=kv_cache_memory,
                               num_blocks=num_kv_blocks,
-                              enable_prefix_caching=enable_prefix_caching),
+                              enable_prefix_caching=enable_prefix_caching,
+                              kv_cache_dtype=kv_cache_dtype),
             scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
                                       max_num_seqs=max_num_seqs, scheduling=scheduling,
                                       policy=policy,

@@ -15,11 +15,12 @@ class KVCacheSpec:
     num_kv_heads: int
     head_dim: int
     block_size: int
-    dtype_bytes: int
+    bytes_per_vector: int  # one token's key (or value) of one KV head, scales included
+    dtype_name: str = "float32"
 
     @property
     def bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+        return 2 * self.num_layers * self.num_kv_heads * self.bytes_per_vector
 
     @property
     def bytes_per_block(self) -> int:
@@ -45,5 +46,5 @@ def describe_capacity(spec: KVCacheSpec, num_blocks: int, max_model_len: int) ->
     gib = num_blocks * spec.bytes_per_block / GIB
     full = tokens / max_model_len
     return (f"KV cache: {num_blocks} blocks x {spec.block_size} tokens = {tokens} tokens "
-            f"({gib:.2f} GiB, {spec.bytes_per_token} bytes/token); "
+            f"({gib:.2f} GiB of {spec.dtype_name}, {spec.bytes_per_token} bytes/token); "
             f"{full:.1f} sequences of full context ({max_model_len} tokens) fit")

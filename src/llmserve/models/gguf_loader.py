@@ -18,6 +18,8 @@ import numpy as np
 import torch
 
 from llmserve.errors import ModelLoadError
+from llmserve.layers.quantization import BlockQuantized
+from llmserve.layers.quantization.base import WeightSource
 from llmserve.models.arch_config import ArchConfig, RopeScaling
 from llmserve.models.gguf_reader import GGUFFormatError, GGUFReader
 from llmserve.models.registry import GGUF_ARCHITECTURES
@@ -99,8 +101,14 @@ class GGUFFile:
         except (KeyError, TypeError, ValueError) as e:
             raise ModelLoadError(f"{self.path}: incomplete model metadata ({e})") from None
 
-    def weights(self, cfg: ArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield (Hugging Face name, float32 tensor) pairs, dequantizing one at a time."""
+    def weight_types(self) -> set[str]:
+        """The GGUF types of the 2-D (matrix) tensors."""
+        return {t.tensor_type.name for t in self.reader.tensors if len(t.torch_shape) == 2}
+
+    def weights(self, cfg: ArchConfig, keep_q4_blocks: bool = False
+                ) -> Iterator[tuple[str, WeightSource]]:
+        """Yield (Hugging Face name, tensor) pairs one at a time: float32, or with
+        ``keep_q4_blocks`` Q4_0/Q4_1 tensors as ``BlockQuantized`` (never expanded)."""
         from gguf import quants
 
         permute_qk = self.gguf_arch in ("llama", "mistral")
@@ -113,6 +121,16 @@ class GGUFFile:
                                      f"{t.tensor_type.name} (supported: "
                                      f"{', '.join(SUPPORTED_TENSOR_TYPES)})")
             raw = self.reader.tensor_data(t)
+            if keep_q4_blocks and t.tensor_type.name in _Q4_BLOCK_BYTES:
+                heads = {"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads}
+                proj = name.split(".")[-2]
+                blocks = _q4_blocks(raw, t.tensor_type.name, tuple(t.torch_shape))
+                if permute_qk and proj in heads:
+                    blocks = BlockQuantized(*(torch.from_numpy(np.ascontiguousarray(
+                        _unpermute(a.numpy(), heads[proj])))
+                        for a in (blocks.q, blocks.scale, blocks.zero)))
+                yield name, blocks
+                continue
             array = quants.dequantize(raw, t.tensor_type).astype(np.float32, copy=False)
             array = array.reshape(t.torch_shape)
             if permute_qk and name.endswith("q_proj.weight"):
@@ -122,6 +140,28 @@ class GGUFFile:
             if not array.flags.writeable:  # a view of the read-only memory map
                 array = array.copy()
             yield name, torch.from_numpy(np.ascontiguousarray(array))
+
+
+_Q4_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}  # 32 weights per block
+
+
+def _q4_blocks(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> BlockQuantized:
+    """Split Q4_0 / Q4_1 blocks (f16 scale, [f16 min,] 16 bytes of nibbles: low nibbles are
+    weights 0..15 of the block, high nibbles 16..31) into values, scales and offsets."""
+    rows, cols = shape
+    blocks = np.asarray(raw).view(np.uint8).reshape(-1, _Q4_BLOCK_BYTES[type_name])
+    scale = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)  # [nb, 1]
+    if type_name == "Q4_1":
+        zero = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+        nibbles = blocks[:, 4:]
+    else:  # Q4_0: w = scale * (q - 8)
+        zero = -8 * scale
+        nibbles = blocks[:, 2:]
+    q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=1)  # [nb, 32]
+    groups = cols // 32
+    return BlockQuantized(torch.from_numpy(q.reshape(rows, cols)),
+                          torch.from_numpy(scale.reshape(rows, groups)),
+                          torch.from_numpy(zero.reshape(rows, groups)))
 
 
 def is_gguf(path: Path) -> bool:

@@ -14,14 +14,17 @@ from torch import nn
 
 from llmserve.attention import Attention, AttentionContext
 from llmserve.layers.activation import silu_and_mul
-from llmserve.layers.linear import Linear, MergedLinear
+from llmserve.layers.linear import Linear, MergedLinear, VocabEmbedding, finalize_weights
 from llmserve.layers.norm import RMSNorm
+from llmserve.layers.quantization import WeightFormat
+from llmserve.layers.quantization.base import WeightSource, as_float
 from llmserve.layers.rotary import RotaryEmbedding
 from llmserve.models.arch_config import ArchConfig
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ArchConfig, layer_idx: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ArchConfig, layer_idx: int, rotary: RotaryEmbedding,
+                 fmt: WeightFormat) -> None:
         super().__init__()
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
@@ -29,8 +32,8 @@ class LlamaAttention(nn.Module):
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = MergedLinear(cfg.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size},
-                                     bias=cfg.attention_bias)
-        self.o_proj = Linear(q_size, cfg.hidden_size, bias=False)
+                                     bias=cfg.attention_bias, fmt=fmt)
+        self.o_proj = Linear(q_size, cfg.hidden_size, bias=False, fmt=fmt)
         self.rotary = rotary
         self.attn = Attention(layer_idx, self.num_heads, self.num_kv_heads, self.head_dim)
 
@@ -46,24 +49,25 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ArchConfig) -> None:
+    def __init__(self, cfg: ArchConfig, fmt: WeightFormat) -> None:
         super().__init__()
         size = cfg.intermediate_size
         self.gate_up_proj = MergedLinear(cfg.hidden_size, {"gate": size, "up": size},
-                                         bias=cfg.mlp_bias)
-        self.down_proj = Linear(size, cfg.hidden_size, bias=cfg.mlp_bias)
+                                         bias=cfg.mlp_bias, fmt=fmt)
+        self.down_proj = Linear(size, cfg.hidden_size, bias=cfg.mlp_bias, fmt=fmt)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ArchConfig, layer_idx: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ArchConfig, layer_idx: int, rotary: RotaryEmbedding,
+                 fmt: WeightFormat) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg, layer_idx, rotary)
+        self.self_attn = LlamaAttention(cfg, layer_idx, rotary, fmt)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = LlamaMLP(cfg)
+        self.mlp = LlamaMLP(cfg, fmt)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor,
                 ctx: AttentionContext) -> torch.Tensor:
@@ -72,14 +76,13 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ArchConfig) -> None:
+    def __init__(self, cfg: ArchConfig, fmt: WeightFormat) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.embed_tokens.weight.requires_grad_(False)
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, fmt)
         rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
                                  cfg.rope_scaling)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, i, rotary) for i in range(cfg.num_hidden_layers))
+            LlamaDecoderLayer(cfg, i, rotary, fmt) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -100,14 +103,15 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", "up"),
     }
 
-    def __init__(self, cfg: ArchConfig) -> None:
+    def __init__(self, cfg: ArchConfig, fmt: WeightFormat | None = None) -> None:
         super().__init__()
+        fmt = fmt or WeightFormat()
         self.config = cfg
-        self.model = LlamaModel(cfg)
+        self.model = LlamaModel(cfg, fmt)
         if cfg.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, method=fmt.head_method())
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 ctx: AttentionContext) -> torch.Tensor:
@@ -116,11 +120,13 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden``: [N, hidden] at the positions that sample; returns [N, vocab] float32."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight).float()
+        if self.lm_head is None:
+            return self.model.embed_tokens.logits(hidden)
+        return self.lm_head(hidden)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load Hugging Face-named tensors; fails if any parameter is left unset."""
+    def load_weights(self, weights: Iterable[tuple[str, WeightSource]]) -> None:
+        """Load Hugging Face-named tensors (each quantized as it arrives, by the layer it
+        goes to); fails if any weight is left unset. Packs the layers at the end."""
         modules = dict(self.named_modules())
         loaded: set[str] = set()
         for name, tensor in weights:
@@ -144,19 +150,22 @@ class LlamaForCausalLM(nn.Module):
                 if param.shape != tensor.shape:
                     raise ValueError(f"{name}: expected shape {tuple(param.shape)}, "
                                      f"got {tuple(tensor.shape)}")
-                param.data.copy_(tensor)
+                param.data.copy_(as_float(tensor))
             loaded.add(f"{module_path}.{param_name}" + (f":{shard}" if shard else ""))
         missing = self._expected_names() - loaded
         if missing:
             raise ValueError(f"missing tensors: {sorted(missing)[:5]}")
+        finalize_weights(self)
 
     def _expected_names(self) -> set[str]:
         names: set[str] = set()
         for mod_name, module in self.named_modules():
+            if isinstance(module, Linear):
+                pnames = ["weight"] + ([] if module.bias is None else ["bias"])
+                shards = module.shard_offsets or {None: None}
+                names.update(f"{mod_name}.{p}" + (f":{s}" if s else "")
+                             for p in pnames for s in shards)
+                continue
             for pname, _ in module.named_parameters(recurse=False):
-                shards = getattr(module, "shard_offsets", None)
-                if shards and pname in ("weight", "bias"):
-                    names.update(f"{mod_name}.{pname}:{s}" for s in shards)
-                else:
-                    names.add(f"{mod_name}.{pname}")
+                names.add(f"{mod_name}.{pname}")
         return names

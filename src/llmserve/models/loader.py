@@ -7,15 +7,19 @@ Every failure is a ``ModelLoadError`` whose one-line message names the file and 
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
+import resource
+import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from llmserve.errors import ModelLoadError
+from llmserve.layers.quantization import WeightFormat
 from llmserve.models.arch_config import ArchConfig
 from llmserve.models.gguf_loader import GGUFFile
 from llmserve.models.registry import get_model_class, supported_architectures
@@ -37,6 +41,20 @@ class LoadedModel:
     arch_config: ArchConfig
     path: Path
     name: str  # what the user asked for (shown by /v1/models and logs)
+    weight_format: WeightFormat = field(default_factory=WeightFormat)
+    weight_bytes: int = 0  # resident bytes of every weight and buffer of the model
+    load_seconds: float = 0.0
+    peak_rss_bytes: int = 0  # the process's peak resident memory when loading ended
+
+    def describe(self) -> str:
+        fmt = self.weight_format
+        body = fmt.quantization if fmt.quantization != "none" else fmt.dtype
+        if fmt.quantization == "int4":
+            body += f" (groups of {fmt.group_size})"
+        return (f"loaded {self.path.name} in {self.load_seconds:.1f} s: {body} layers, "
+                f"{fmt.head_quantization if fmt.quantization != 'none' else fmt.dtype} "
+                f"embedding/head, weights {self.weight_bytes / 2**20:.0f} MiB, "
+                f"peak RSS {self.peak_rss_bytes / 2**20:.0f} MiB")
 
 
 def resolve_model_path(model: str) -> Path:
@@ -58,21 +76,60 @@ def resolve_model_path(model: str) -> Path:
     return path
 
 
-def load_model(model: str = DEFAULT_MODEL, device: str | torch.device = "cpu") -> LoadedModel:
+def load_model(model: str = DEFAULT_MODEL, device: str | torch.device = "cpu", *,
+               quantization: str = "auto", dtype: str = "float32",
+               group_size: int = 32) -> LoadedModel:
+    """Build the model directly in its weight format and fill it tensor by tensor.
+
+    ``quantization="auto"`` keeps what the file holds as close as the methods allow: a
+    GGUF file of 4-bit blocks loads as int4, one of 8-bit blocks as int8, anything else
+    dense in ``dtype``.
+    """
+    start = time.perf_counter()
     path = resolve_model_path(model)
+    gguf = None
     if path.is_dir():
         cfg, tokenizer, weights = _open_hf_dir(path)
     else:
-        cfg, tokenizer, weights = _open_gguf(path)
+        gguf = GGUFFile(path)
+        cfg, tokenizer = _open_gguf(gguf)
+    if quantization == "auto":
+        quantization = _auto_quantization(gguf)
+    fmt = WeightFormat(quantization, dtype, group_size)
+    if fmt.quantization != "none" and torch.device(device).type != "cpu":
+        raise ModelLoadError(f"--quantization {fmt.quantization} runs on CPU only; "
+                             f"use --quantization none on {device}")
+    if gguf is not None:
+        keep_blocks = fmt.quantization == "int4" and fmt.group_size == 32
+        weights = gguf.weights(cfg, keep_q4_blocks=keep_blocks)
     cls = _model_class(path, cfg)
     with torch.device(device):
-        net = cls(cfg)
+        net = cls(cfg, fmt)
     try:
         net.load_weights(weights)
     except ValueError as e:
         raise ModelLoadError(f"{path}: weights do not match the configuration ({e})") from None
     net.eval()
-    return LoadedModel(net, tokenizer, cfg, path, model)
+    nbytes = sum(t.numel() * t.element_size()
+                 for t in itertools.chain(net.parameters(), net.buffers()))
+    return LoadedModel(net, tokenizer, cfg, path, model, fmt, nbytes,
+                       time.perf_counter() - start, peak_rss_bytes())
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size so far (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _auto_quantization(gguf: GGUFFile | None) -> str:
+    if gguf is None:
+        return "none"
+    types = gguf.weight_types()
+    if types & {"Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q3_K", "Q2_K"}:
+        return "int4"
+    if types & {"Q8_0", "Q6_K"}:
+        return "int8"
+    return "none"
 
 
 def _model_class(path: Path, cfg: ArchConfig) -> type[nn.Module]:
@@ -83,14 +140,13 @@ def _model_class(path: Path, cfg: ArchConfig) -> type[nn.Module]:
                              f"{', '.join(supported_architectures())})") from None
 
 
-def _open_gguf(path: Path) -> tuple[ArchConfig, Tokenizer, Iterator[tuple[str, torch.Tensor]]]:
-    gguf = GGUFFile(path)
+def _open_gguf(gguf: GGUFFile) -> tuple[ArchConfig, Tokenizer]:
     cfg = gguf.arch_config()
     try:
         tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata)
     except Exception as e:
-        raise ModelLoadError(f"{path}: cannot build the tokenizer ({e})") from None
-    return cfg, tokenizer, gguf.weights(cfg)
+        raise ModelLoadError(f"{gguf.path}: cannot build the tokenizer ({e})") from None
+    return cfg, tokenizer
 
 
 def _open_hf_dir(path: Path) -> tuple[ArchConfig, Tokenizer, Iterator[tuple[str, torch.Tensor]]]:

@@ -11,6 +11,7 @@ from torch import nn
 
 from llmserve.attention import AttentionContext, get_attention_backend
 from llmserve.attention.backend import BatchLayout
+from llmserve.attention.kv_format import PagedKVCache
 from llmserve.models.arch_config import ArchConfig
 from llmserve.sample import Sampler
 from llmserve.sample.ops import topk_logprobs
@@ -25,18 +26,16 @@ from llmserve.scheduler.output import (
 
 class ModelRunner:
     def __init__(self, model: nn.Module, cfg: ArchConfig, *, num_blocks: int, block_size: int,
-                 device: str | torch.device = "cpu", kv_dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu", kv_cache_dtype: str = "float32",
                  attention_backend: str = "torch_paged", seed: int = 0,
                  eos_token_ids: frozenset[int] = frozenset()) -> None:
         self.model = model
         self.device = torch.device(device)
         self.block_size = block_size
         self.backend = get_attention_backend(attention_backend)
-        shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
-        # Zeroed, so that padded reads of never-written slots stay finite.
         self.kv_caches = [
-            (torch.zeros(shape, dtype=kv_dtype, device=self.device),
-             torch.zeros(shape, dtype=kv_dtype, device=self.device))
+            PagedKVCache.allocate(kv_cache_dtype, num_blocks, block_size,
+                                  cfg.num_key_value_heads, cfg.head_dim, self.device)
             for _ in range(cfg.num_hidden_layers)
         ]
         self.sampler = Sampler()

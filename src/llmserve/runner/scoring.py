@@ -11,18 +11,20 @@ from torch import nn
 
 from llmserve.attention import AttentionContext, get_attention_backend
 from llmserve.attention.backend import BatchLayout
+from llmserve.attention.kv_format import PagedKVCache
 
 
 @torch.inference_mode()
 def sequence_logits(model: nn.Module, token_ids: list[int], *, block_size: int = 16,
-                    backend: str = "torch_paged") -> torch.Tensor:
+                    backend: str = "torch_paged", kv_cache_dtype: str = "float32"
+                    ) -> torch.Tensor:
     """Returns float32 logits ``[len(token_ids), vocab]`` (row i predicts token i + 1)."""
     cfg = model.config
     device = next(model.parameters()).device
     n = len(token_ids)
     num_blocks = -(-n // block_size)
-    shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
-    kv_caches = [(torch.zeros(shape, device=device), torch.zeros(shape, device=device))
+    kv_caches = [PagedKVCache.allocate(kv_cache_dtype, num_blocks, block_size,
+                                       cfg.num_key_value_heads, cfg.head_dim, device)
                  for _ in range(cfg.num_hidden_layers)]
     attn = get_attention_backend(backend)
     positions = torch.arange(n, device=device)
@@ -33,3 +35,20 @@ def sequence_logits(model: nn.Module, token_ids: list[int], *, block_size: int =
     ctx = AttentionContext(attn, attn.build_metadata(layout), kv_caches)
     ids = torch.tensor(token_ids, dtype=torch.int64, device=device)
     return model.compute_logits(model(ids, positions, ctx))
+
+
+def perplexity(model: nn.Module, token_ids: list[int], *, window: int = 1024,
+               kv_cache_dtype: str = "float32") -> float:
+    """exp(mean negative log-likelihood) of ``token_ids``, scored in consecutive windows of
+    ``window`` tokens (each window starts a fresh context; its first token is not scored)."""
+    nll, count = 0.0, 0
+    for start in range(0, len(token_ids) - 1, window):
+        chunk = token_ids[start:start + window]
+        if len(chunk) < 2:
+            break
+        logprobs = sequence_logits(model, chunk, kv_cache_dtype=kv_cache_dtype)[:-1]
+        logprobs = logprobs.log_softmax(dim=-1)
+        targets = torch.tensor(chunk[1:], device=logprobs.device)
+        nll -= logprobs.gather(1, targets.unsqueeze(1)).sum().item()
+        count += len(chunk) - 1
+    return float(torch.tensor(nll / count).exp())
