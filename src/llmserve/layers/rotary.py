@@ -42,18 +42,27 @@ class RotaryEmbedding(nn.Module):
         inv_freq = rope_inv_freq(head_dim, theta, scaling)
         t = torch.arange(max_positions, dtype=torch.int64).float()
         freqs = torch.outer(t, inv_freq)  # [max_positions, head_dim // 2]
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        # [max_positions, 2, D/2]: the halves' factors, so one broadcast covers both.
+        self.register_buffer("cos", freqs.cos().unsqueeze(1).repeat(1, 2, 1), persistent=False)
+        sin = freqs.sin()
+        self.register_buffer("sin", torch.stack((-sin, sin), dim=1), persistent=False)
+        # The step's tables, looked up once and reused by every layer of the step.
+        self._step: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor,
                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``positions``: [T] int64; ``q``: [T, Hq, D]; ``k``: [T, Hkv, D]."""
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2]
-        sin = self.sin[positions].unsqueeze(1)
+        if self._step is None or self._step[0] is not positions:
+            cos = self.cos.index_select(0, positions).unsqueeze(1)  # [T, 1, 2, D/2]
+            sin = self.sin.index_select(0, positions).unsqueeze(1)
+            self._step = (positions, cos, sin)
+        _, cos, sin = self._step
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.float().chunk(2, dim=-1)
-    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    return out.to(x.dtype)
+    """Rotate-half: ``(x1 cos - x2 sin, x2 cos + x1 sin)`` as ``x cos + swap(x) sin``."""
+    t, h, d = x.shape
+    halves = x.float().view(t, h, 2, d // 2)
+    out = halves * cos + halves.flip(2) * sin
+    return out.view(t, h, d).to(x.dtype)
