@@ -48,6 +48,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     offline.add_argument("--max-num-batched-tokens", type=int, default=2048)
     offline.add_argument("--kv-cache-memory", type=float, default=2.0)
     offline.add_argument("--seed", type=int, default=0)
+    offline.add_argument("--quantization", default="auto",
+                         help="weight format, as for `llmserve serve`")
     offline.add_argument("--output", default=None, help="also write the results as JSON")
     offline.set_defaults(func=_cmd_offline)
 
@@ -204,7 +206,8 @@ def _cmd_offline(args: argparse.Namespace) -> int:
     from llmserve.bench.offline import offline_table, run_offline
 
     report = run_offline(args.model, args.num_requests, args.seed, args.kv_cache_memory,
-                         args.max_num_seqs, args.max_num_batched_tokens)
+                         args.max_num_seqs, args.max_num_batched_tokens,
+                         quantization=args.quantization)
     print(offline_table(report))
     if args.output:
         Path(args.output).write_text(json.dumps(report, indent=1))

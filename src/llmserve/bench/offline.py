@@ -45,13 +45,13 @@ def sharegpt_like_token_workload(n: int, seed: int, vocab: int = 49152
 
 
 def run_mode(model: str, mode: str, prompts: list[list[int]], output_lens: list[int], *,
-             kv_cache_memory: float, max_num_seqs: int,
-             max_num_batched_tokens: int) -> OfflineResult:
+             kv_cache_memory: float, max_num_seqs: int, max_num_batched_tokens: int,
+             quantization: str = "auto") -> OfflineResult:
     from llmserve import LLM, SamplingParams
 
     llm = LLM(model, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
               max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=False,
-              scheduling=mode)
+              scheduling=mode, quantization=quantization)
     llm.generate([prompts[0][:32]], SamplingParams(temperature=0, max_tokens=4))  # warm-up
     engine = llm.engine
     block_size = engine.kv_manager.block_size
@@ -78,14 +78,17 @@ def run_mode(model: str, mode: str, prompts: list[list[int]], output_lens: list[
 
 
 def run_offline(model: str, num_requests: int, seed: int, kv_cache_memory: float,
-                max_num_seqs: int, max_num_batched_tokens: int) -> dict[str, Any]:
+                max_num_seqs: int, max_num_batched_tokens: int,
+                quantization: str = "auto") -> dict[str, Any]:
     prompts, output_lens, desc = sharegpt_like_token_workload(num_requests, seed)
     print("workload:", desc, flush=True)
     results = [run_mode(model, mode, prompts, output_lens, kv_cache_memory=kv_cache_memory,
-                        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+                        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                        quantization=quantization)
                for mode in ("continuous", "static")]
     cont, static = results
-    return {"workload": desc, "model": model, "max_num_seqs": max_num_seqs,
+    return {"workload": desc, "model": model, "quantization": quantization,
+            "max_num_seqs": max_num_seqs,
             "max_num_batched_tokens": max_num_batched_tokens,
             "ratio": cont.output_tokens_per_s / static.output_tokens_per_s,
             "results": [asdict(r) for r in results]}

@@ -6,6 +6,8 @@ Every failure is a ``ModelLoadError`` whose one-line message names the file and 
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import importlib.util
 import itertools
 import json
@@ -110,10 +112,18 @@ def load_model(model: str = DEFAULT_MODEL, device: str | torch.device = "cpu", *
     except ValueError as e:
         raise ModelLoadError(f"{path}: weights do not match the configuration ({e})") from None
     net.eval()
+    _release_freed_memory()
     nbytes = sum(t.numel() * t.element_size()
                  for t in itertools.chain(net.parameters(), net.buffers()))
     return LoadedModel(net, tokenizer, cfg, path, model, fmt, nbytes,
                        time.perf_counter() - start, peak_rss_bytes())
+
+
+def _release_freed_memory() -> None:
+    """Hand the heap pages freed by loading (per-tensor float32 copies) back to the OS;
+    glibc keeps them otherwise, and they would count as resident for the server's life."""
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to do
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def peak_rss_bytes() -> int:
