@@ -1,22 +1,22 @@
-"""Paged attention in plain PyTorch: gather the blocks, then one fused attention call.
+"""Paged attention in plain PyTorch: batched matmul-softmax-matmul over padded groups.
 
 Sequences of the step are grouped by shape class (query length and context length, each
 rounded up to a power of two). Within a group every sequence's context is gathered from
 its block table into a padded ``[G, L]`` key/value tensor and its queries into a padded
-``[G, Qm]`` tensor, so one ``scaled_dot_product_attention`` (PyTorch's CPU flash kernel;
-grouped-query heads read their shared KV head in place) covers the whole group with no
-Python loop over sequences or heads; the loop is over the few shape classes present in a
-step (decodes, and a prefill chunk or two). Grouping keeps padding below 2x, so a long
-prefill chunk never inflates the decodes it is batched with.
+``[G, Qm]`` tensor, so one batched computation covers the whole group with no Python loop
+over sequences; the loop is over the few shape classes present in a step (decodes, and a
+prefill chunk or two). Grouping keeps padding below 2x, so a long prefill chunk never
+inflates the decodes it is batched with.
 
-Padding is masked, never read into a result. A row's context always starts at offset 0
-and padding only ever follows it, so the arithmetic of a row does not depend on the other
-rows, which keeps greedy output batch-invariant (tests/model/test_runner_invariance.py).
+Padding is masked, never read into a result: keys past a query's own position get -inf.
+A row's context always starts at offset 0 and padding only ever follows it, so the
+arithmetic of a row does not depend on the other rows, which keeps greedy output
+batch-invariant.
 
-Cost-conscious details: blocks are gathered with one ``index_select`` of whole blocks into
-buffers allocated once per step; long query groups (prefill chunks) are processed in tiles
-of rows, each against only the keys its rows can see, which skips most of the masked upper
-triangle.
+Cost-conscious details: blocks are gathered with one ``index_select`` of whole blocks;
+each KV head is a strided view handed to ``bmm`` without a transposing copy; long query
+groups (prefill chunks) are processed in tiles of rows, each against only the keys its
+rows can see, which skips most of the masked upper triangle.
 """
 
 from __future__ import annotations
@@ -25,12 +25,16 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from llmserve.attention.backend import BatchLayout, register_attention_backend
 from llmserve.attention.kv_format import PagedKVCache
 
 _QUERY_TILE = 128  # rows of a prefill chunk attended together
+# Keys are summed over in fixed chunks of this many, each by its own matrix product, in
+# order: a row's sum then has the same shape however long the padded context of its group
+# is (the chunks past its own context add exact zeros). One product over the whole padded
+# length would let MKL block the sum differently for different lengths.
+_KEY_CHUNK = 128
 
 
 @dataclass
@@ -41,9 +45,10 @@ class AttentionGroup:
     max_query_len: int  # Qm
     context_len: int  # NB * block_size = L
     q_index: torch.Tensor | None  # [Tg] row of each token in the padded [G * Qm] layout
-    allowed: torch.Tensor  # [G, 1, Qm, L] bool, True where a query may see a key
+    mask: torch.Tensor  # [G, Qm, L] bool, True where a key must be ignored
     # (first row, end row, first key some row must not see, keys any row can see)
     tiles: list[tuple[int, int, int, int]]
+    key_chunk: int  # keys per matrix product of probabilities and values
     # Gather buffers, allocated once per step and reused by every layer.
     keys: torch.Tensor | None = None
     values: torch.Tensor | None = None
@@ -80,14 +85,19 @@ class TorchPagedBackend:
         device = layout.positions.device
         qlens = [layout.query_lens[b] for b in seqs]
         max_q = max(qlens)
+        chunk_blocks = max(1, _KEY_CHUNK // layout.block_size)
         num_blocks = -(-max(layout.seq_lens[b] for b in seqs) // layout.block_size)
+        num_blocks = -(-num_blocks // chunk_blocks) * chunk_blocks
         context_len = num_blocks * layout.block_size
+        chunk = chunk_blocks * layout.block_size
         tokens = None if single else torch.tensor(
             [t for b in seqs for t in range(starts[b], starts[b + 1])], dtype=torch.int64,
             device=device)
         positions = layout.positions if tokens is None else layout.positions[tokens]
         rows = torch.tensor(seqs, dtype=torch.int64, device=device)
         tables = layout.block_tables.index_select(0, rows)[:, :num_blocks]
+        if tables.shape[1] < num_blocks:  # pad to whole chunks; masked, never counted
+            tables = torch.nn.functional.pad(tables, (0, num_blocks - tables.shape[1]))
         if max_q == 1:
             q_index = None
             q_pos = positions.view(len(seqs), 1)
@@ -98,7 +108,7 @@ class TorchPagedBackend:
             q_pos.index_copy_(0, q_index, positions)
             q_pos = q_pos.view(len(seqs), max_q)
         key_pos = torch.arange(context_len, device=device)
-        allowed = (key_pos.view(1, 1, -1) <= q_pos.unsqueeze(-1)).unsqueeze(1)  # [G,1,Qm,L]
+        mask = key_pos.view(1, 1, -1) > q_pos.unsqueeze(-1)  # [G, Qm, L]
         tiles = []
         last_pos = q_pos.amax(dim=0).tolist()  # per padded row, the furthest position
         real = torch.zeros_like(q_pos, dtype=torch.bool)
@@ -110,13 +120,13 @@ class TorchPagedBackend:
         for start in range(0, max_q, _QUERY_TILE):
             end = min(max_q, start + _QUERY_TILE)
             visible = max(last_pos[start:end]) + 1
-            keys = min(context_len, -(-visible // layout.block_size) * layout.block_size)
+            keys = min(context_len, -(-visible // chunk) * chunk)
             # Keys before every real row's own position are visible to all of them (padded
             # rows are discarded, so what they see does not matter).
             mask_from = min(keys, min(first_pos[start:end]) + 1)
             tiles.append((start, end, mask_from, keys))
         return AttentionGroup(tokens, tables.reshape(-1), len(seqs), max_q, context_len,
-                              q_index, allowed, tiles)
+                              q_index, mask, tiles, chunk)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: PagedKVCache, metadata: TorchPagedMetadata,
@@ -135,39 +145,66 @@ def _attend(q: torch.Tensor, kv_cache: PagedKVCache, group: AttentionGroup,
             scale: float) -> torch.Tensor:
     """``q``: [Tg, Hq, D] -> [Tg, Hq * D] for one group.
 
-    1. Gather the group's blocks: [G, L, Hkv, D] keys and values (one index_select each).
-    2. Per query tile: one fused scaled-dot-product attention over all sequences and heads
-       (grouped-query heads share their KV head without a copy), against only the keys the
-       tile's rows can see, with the causal/padding mask.
+    1. Gather the group's blocks: [G, L, Hkv, D] for keys and values (one index_select).
+    2. Lay queries out head-major: [G, Hkv, Qm * heads_per_kv, D].
+    3. Per KV head and query tile: scores = q k^T (bmm on a strided view), mask, softmax
+       in float32, times v.
     """
     _, num_heads, head_dim = q.shape
     num_kv_heads = kv_cache.key.shape[2]
+    group_size = num_heads // num_kv_heads
     b, qm, ctx = group.num_seqs, group.max_query_len, group.context_len
     if group.q_index is None:
         q_pad = q
     else:
         q_pad = q.new_zeros(b * qm, num_heads, head_dim)
         q_pad.index_copy_(0, group.q_index, q)
-    q_hm = q_pad.view(b, qm, num_heads, head_dim).transpose(1, 2)  # [G, Hq, Qm, D]
+    # [G, Hkv, Qm, group_size, D]
+    q_hm = q_pad.view(b, qm, num_kv_heads, group_size, head_dim).permute(0, 2, 1, 3, 4)
+    q_hm = (q_hm * scale).contiguous()
     if group.keys is None:  # first layer of the step: allocate the gather buffers
         group.keys = kv_cache.gather_buffer(group.block_ids.numel())
         group.values = kv_cache.gather_buffer(group.block_ids.numel())
     keys, values = kv_cache.gather(group.block_ids, group.keys, group.values)
-    keys = keys.view(b, ctx, num_kv_heads, head_dim).transpose(1, 2)  # [G, Hkv, L, D]
-    values = values.view(b, ctx, num_kv_heads, head_dim).transpose(1, 2)
+    keys = keys.view(b, ctx, num_kv_heads, head_dim)
+    values = values.view(b, ctx, num_kv_heads, head_dim)
 
-    out = q.new_empty(b, qm, num_heads, head_dim)
-    for start, end, mask_from, visible in group.tiles:
-        mask = None
-        if mask_from < visible:
-            mask = group.allowed[:, :, start:end, :visible]  # [G, 1, rows, Lt]
-        o = F.scaled_dot_product_attention(
-            q_hm[:, :, start:end], keys[:, :, :visible], values[:, :, :visible],
-            attn_mask=mask, scale=scale, enable_gqa=num_heads != num_kv_heads)
-        out[:, start:end] = o.transpose(1, 2)
+    out = q.new_empty(b, qm, num_kv_heads, group_size, head_dim)
+    for h in range(num_kv_heads):
+        k_h = keys[:, :, h]  # [G, L, D], rows strided by Hkv * D
+        v_h = values[:, :, h]
+        for start, end, mask_from, visible in group.tiles:
+            rows = end - start
+            q_t = q_hm[:, h, start:end].reshape(b, rows * group_size, head_dim)
+            scores = torch.bmm(q_t, k_h[:, :visible].transpose(1, 2))  # [G, rows*gs, Lt]
+            scores = scores.view(b, rows, group_size, visible)
+            if mask_from < visible:
+                scores[..., mask_from:].masked_fill_(
+                    group.mask[:, start:end, None, mask_from:visible], float("-inf"))
+            probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+            o = _chunked_pv(probs.view(b, rows * group_size, visible), v_h[:, :visible],
+                            group.key_chunk)
+            out[:, start:end, h] = o.view(b, rows, group_size, head_dim)
     out = out.view(b * qm, num_heads * head_dim)
     if group.q_index is not None:
         out = out.index_select(0, group.q_index)
+    return out
+
+
+def _chunked_pv(probs: torch.Tensor, values: torch.Tensor, chunk: int) -> torch.Tensor:
+    """``probs`` [G, R, L] times ``values`` [G, L, D], summed over ``L`` chunk by chunk in
+    order (``L`` is a multiple of ``chunk``): one batched product of [R, chunk] x
+    [chunk, D] per chunk, then a sequential sum of the chunk results."""
+    g, r, length = probs.shape
+    n = length // chunk
+    if n == 1:
+        return torch.bmm(probs, values)
+    p = probs.view(g, r, n, chunk).transpose(1, 2).reshape(g * n, r, chunk)
+    v = values.reshape(g * n, chunk, values.shape[-1])
+    parts = torch.bmm(p, v).view(g, n, r, -1)
+    out = parts[:, 0].clone()
+    for i in range(1, n):
+        out += parts[:, i]
     return out
 
 
