@@ -5,8 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from llmserve.attention.kv_format import KV_CACHE_DTYPE_CHOICES
-from llmserve.layers.quantization import list_quantization_methods
-from llmserve.layers.quantization.base import DTYPES, INT4_GROUP_SIZES
+from llmserve.layers.quantization import WeightFormat, list_quantization_methods
 from llmserve.models.loader import DEFAULT_MODEL
 
 SCHEDULING_MODES = ("continuous", "static")
@@ -28,11 +27,8 @@ class ModelConfig:
         choices = quantization_choices()
         if self.quantization not in choices:
             raise ValueError(f"quantization must be one of {choices}, got {self.quantization!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        if self.int4_group_size not in INT4_GROUP_SIZES:
-            raise ValueError(f"int4 group size must be one of {INT4_GROUP_SIZES}, "
-                             f"got {self.int4_group_size}")
+        # The weight format checks dtype and group size (``auto`` is resolved at load).
+        WeightFormat("none", self.dtype, self.int4_group_size)
 
 
 def quantization_choices() -> tuple[str, ...]:
