@@ -20,3 +20,8 @@ LLMSERVE_MODEL_DIR: str | None = os.environ.get("LLMSERVE_MODEL_DIR")
 # Never touch a model hub: set the hub libraries' offline switches for this process.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Where the C++ CPU kernels are compiled to (once per machine and source version).
+LLMSERVE_CACHE_DIR: str = os.environ.get(
+    "LLMSERVE_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "llmserve"))
+# "0" turns the compiled CPU kernels off: the pure PyTorch paths are used instead.
+LLMSERVE_CPU_KERNELS: bool = os.environ.get("LLMSERVE_CPU_KERNELS", "1") != "0"

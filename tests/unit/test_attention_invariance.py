@@ -1,22 +1,28 @@
-"""The paged attention backend: a sequence's output rows are bitwise the same alone and
-batched with sequences of other lengths (which changes the padded key length of its group),
-with SmolLM2's head layout (9 query heads over 3 KV heads of 64)."""
+"""The paged attention backends: a sequence's output rows are bitwise the same alone and
+batched with sequences of other lengths (which changes the padded key length of a group),
+with SmolLM2's head layout (9 query heads over 3 KV heads of 64); and each backend agrees
+with a float64 softmax(q k^T) v per row, for every KV cache format."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from llmserve.attention import get_attention_backend
 from llmserve.attention.backend import BatchLayout
-from llmserve.attention.kv_format import PagedKVCache
+from llmserve.attention.kv_format import KV_CACHE_DTYPES, PagedKVCache
+from llmserve.csrc import cpu_ops
 
 HQ, HKV, D, BS = 9, 3, 64, 16
+BACKENDS = ["torch_paged",
+            pytest.param("cpu_paged", marks=pytest.mark.skipif(
+                cpu_ops() is None, reason="compiled CPU kernels unavailable"))]
 
 
-def _run(seqs: list[tuple[int, int, list[int]]], cache: PagedKVCache,
+def _run(backend_name: str, seqs: list[tuple[int, int, list[int]]], cache: PagedKVCache,
          kv: dict[int, tuple[torch.Tensor, torch.Tensor]], q_all: dict[int, torch.Tensor]):
     """seqs: (seq id, tokens computed this step, block ids); context = all of seq's kv."""
-    backend = get_attention_backend("torch_paged")
+    backend = get_attention_backend(backend_name)
     query_lens, seq_lens, slots, positions, qs, ks, vs = [], [], [], [], [], [], []
     width = max(len(b) for _, _, b in seqs)
     tables = []
@@ -43,9 +49,8 @@ def _run(seqs: list[tuple[int, int, list[int]]], cache: PagedKVCache,
     return out.split(query_lens)
 
 
-def test_rows_do_not_depend_on_the_batch():
+def _problem(lengths: dict[int, int]):
     gen = torch.Generator().manual_seed(0)
-    lengths = {0: 300, 1: 600, 2: 40, 3: 517}
     kv = {s: (torch.randn(n, HKV, D, generator=gen), torch.randn(n, HKV, D, generator=gen))
           for s, n in lengths.items()}
     q = {s: torch.randn(n, HQ, D, generator=gen) for s, n in lengths.items()}
@@ -54,14 +59,59 @@ def test_rows_do_not_depend_on_the_batch():
         count = -(-n // BS)
         blocks[s] = list(range(start + count - 1, start - 1, -1))  # scattered, reversed
         start += count
+    return kv, q, blocks, start
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rows_do_not_depend_on_the_batch(backend: str):
+    lengths = {0: 300, 1: 600, 2: 40, 3: 517}
+    kv, q, blocks, num_blocks = _problem(lengths)
 
     def cache() -> PagedKVCache:
-        return PagedKVCache.allocate("float32", start, BS, HKV, D, torch.device("cpu"))
+        return PagedKVCache.allocate("float32", num_blocks, BS, HKV, D, torch.device("cpu"))
 
     for n_query in (1, 37):  # decode, and a prefill chunk
-        alone = {s: _run([(s, n_query, blocks[s])], cache(), kv, q)[0] for s in lengths}
-        batched = _run([(s, n_query, blocks[s]) for s in lengths], cache(), kv, q)
+        alone = {s: _run(backend, [(s, n_query, blocks[s])], cache(), kv, q)[0]
+                 for s in lengths}
+        batched = _run(backend, [(s, n_query, blocks[s]) for s in lengths], cache(), kv, q)
         for s, out in zip(lengths, batched):
             assert torch.equal(out, alone[s]), f"seq {s} ({lengths[s]} tokens), {n_query} rows"
-        mixed = _run([(1, 37, blocks[1]), (0, 1, blocks[0]), (3, 1, blocks[3])], cache(), kv, q)
-        assert torch.equal(mixed[1], _run([(0, 1, blocks[0])], cache(), kv, q)[0])
+        mixed = _run(backend, [(1, 37, blocks[1]), (0, 1, blocks[0]), (3, 1, blocks[3])],
+                     cache(), kv, q)
+        assert torch.equal(mixed[1], _run(backend, [(0, 1, blocks[0])], cache(), kv, q)[0])
+
+
+@pytest.mark.skipif(cpu_ops() is None, reason="compiled CPU kernels unavailable")
+def test_compiled_rows_do_not_depend_on_the_chunk():
+    """The compiled kernel's rows are the same computed as a decode (one row), inside a
+    prefill chunk at any offset of its tiles, or in a chunk of a different length."""
+    lengths = {0: 200}
+    kv, q, blocks, num_blocks = _problem(lengths)
+    cache = PagedKVCache.allocate("float32", num_blocks, BS, HKV, D, torch.device("cpu"))
+    whole = _run("cpu_paged", [(0, 200, blocks[0])], cache, kv, q)[0]
+    for n_query in (1, 3, 13, 64):
+        part = _run("cpu_paged", [(0, n_query, blocks[0])], cache, kv, q)[0]
+        assert torch.equal(part, whole[-n_query:]), n_query
+
+
+@pytest.mark.parametrize("kv_dtype", list(KV_CACHE_DTYPES))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_matches_float64_reference(backend: str, kv_dtype: str):
+    lengths = {0: 70, 1: 5, 2: 33}
+    kv, q, blocks, num_blocks = _problem(lengths)
+    cache = PagedKVCache.allocate(kv_dtype, num_blocks, BS, HKV, D, torch.device("cpu"))
+    n_query = 5
+    outs = _run(backend, [(s, n_query, blocks[s]) for s in lengths], cache, kv, q)
+    for s, out in zip(lengths, outs):
+        # The reference reads what the cache holds, so only the attention math is compared.
+        ids = torch.tensor(blocks[s])
+        k_all, v_all = cache.gather(ids, cache.gather_buffer(len(ids)),
+                                    cache.gather_buffer(len(ids)))
+        k_all = k_all.reshape(-1, HKV, D)[: lengths[s]].double()
+        v_all = v_all.reshape(-1, HKV, D)[: lengths[s]].double()
+        for i in range(n_query):
+            pos = lengths[s] - n_query + i
+            qi = q[s][pos].double().view(HKV, HQ // HKV, D)
+            scores = torch.einsum("hgd,lhd->hgl", qi, k_all[: pos + 1]) * D**-0.5
+            ref = torch.einsum("hgl,lhd->hgd", scores.softmax(-1), v_all[: pos + 1])
+            torch.testing.assert_close(out[i].double(), ref.reshape(-1), atol=1e-5, rtol=1e-5)

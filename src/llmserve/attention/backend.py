@@ -70,15 +70,23 @@ def register_attention_backend(name: str):
     return wrap
 
 
-def get_attention_backend(name: str) -> AttentionBackend:
-    import llmserve.attention.torch_paged  # noqa: F401  (registers the built-in backend)
+def get_attention_backend(name: str, device: torch.device | str = "cpu") -> AttentionBackend:
+    """``auto``: the compiled kernel on CPU when it is available, else ``torch_paged``."""
+    _register_builtin()
+    if name == "auto":
+        from llmserve.csrc import cpu_ops
 
+        name = "cpu_paged" if torch.device(device).type == "cpu" and cpu_ops() else "torch_paged"
     if name not in _BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose from {sorted(_BACKENDS)}")
     return _BACKENDS[name]()
 
 
 def list_attention_backends() -> list[str]:
-    import llmserve.attention.torch_paged  # noqa: F401
+    _register_builtin()
+    return ["auto", *sorted(_BACKENDS)]
 
-    return sorted(_BACKENDS)
+
+def _register_builtin() -> None:
+    import llmserve.attention.cpu_paged
+    import llmserve.attention.torch_paged  # noqa: F401

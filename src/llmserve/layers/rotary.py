@@ -7,6 +7,7 @@ import math
 import torch
 from torch import nn
 
+from llmserve.csrc import cpu_ops
 from llmserve.models.arch_config import RopeScaling
 
 
@@ -51,7 +52,13 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor,
                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``positions``: [T] int64; ``q``: [T, Hq, D]; ``k``: [T, Hkv, D]."""
+        """``positions``: [T] int64; ``q``: [T, Hq, D]; ``k``: [T, Hkv, D]. On CPU the
+        compiled kernel rotates ``q`` and ``k`` in place (same arithmetic)."""
+        if q.device.type == "cpu" and q.dtype == torch.float32:
+            ops = cpu_ops()
+            if ops is not None:
+                ops.rotary_embedding_(q, k, positions, self.cos, self.sin)
+                return q, k
         if self._step is None or self._step[0] is not positions:
             cos = self.cos.index_select(0, positions).unsqueeze(1)  # [T, 1, 2, D/2]
             sin = self.sin.index_select(0, positions).unsqueeze(1)

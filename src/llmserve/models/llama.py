@@ -69,10 +69,18 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg, fmt)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor,
-                ctx: AttentionContext) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
+                residual: torch.Tensor | None, ctx: AttentionContext
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pre-norm block on ``hidden`` [T, hidden]; ``residual`` is the running sum of the
+        block outputs (updated in place), None for the first layer."""
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden = self.input_layernorm.add_and_norm(residual, hidden)
+        hidden = self.self_attn(positions, hidden, ctx)
+        hidden = self.post_attention_layernorm.add_and_norm(residual, hidden)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
@@ -87,10 +95,11 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 ctx: AttentionContext) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)  # [T, hidden]
+        hidden = self.embed_tokens(input_ids)  # [T, hidden]
+        residual = None
         for layer in self.layers:
-            x = layer(positions, x, ctx)
-        return self.norm(x)
+            hidden, residual = layer(positions, hidden, residual, ctx)
+        return self.norm.add_and_norm(residual, hidden)
 
 
 class LlamaForCausalLM(nn.Module):

@@ -27,12 +27,12 @@ from llmserve.scheduler.output import (
 class ModelRunner:
     def __init__(self, model: nn.Module, cfg: ArchConfig, *, num_blocks: int, block_size: int,
                  device: str | torch.device = "cpu", kv_cache_dtype: str = "float32",
-                 attention_backend: str = "torch_paged", seed: int = 0,
+                 attention_backend: str = "auto", seed: int = 0,
                  eos_token_ids: frozenset[int] = frozenset()) -> None:
         self.model = model
         self.device = torch.device(device)
         self.block_size = block_size
-        self.backend = get_attention_backend(attention_backend)
+        self.backend = get_attention_backend(attention_backend, self.device)
         self.kv_caches = [
             PagedKVCache.allocate(kv_cache_dtype, num_blocks, block_size,
                                   cfg.num_key_value_heads, cfg.head_dim, self.device)

@@ -16,7 +16,7 @@ from llmserve.attention.kv_format import PagedKVCache
 
 @torch.inference_mode()
 def sequence_logits(model: nn.Module, token_ids: list[int], *, block_size: int = 16,
-                    backend: str = "torch_paged", kv_cache_dtype: str = "float32"
+                    backend: str = "auto", kv_cache_dtype: str = "float32"
                     ) -> torch.Tensor:
     """Returns float32 logits ``[len(token_ids), vocab]`` (row i predicts token i + 1)."""
     cfg = model.config
@@ -26,7 +26,7 @@ def sequence_logits(model: nn.Module, token_ids: list[int], *, block_size: int =
     kv_caches = [PagedKVCache.allocate(kv_cache_dtype, num_blocks, block_size,
                                        cfg.num_key_value_heads, cfg.head_dim, device)
                  for _ in range(cfg.num_hidden_layers)]
-    attn = get_attention_backend(backend)
+    attn = get_attention_backend(backend, device)
     positions = torch.arange(n, device=device)
     layout = BatchLayout(slot_mapping=positions.clone(),
                          block_tables=torch.arange(num_blocks, device=device).view(1, -1),

@@ -1,0 +1,15 @@
+#include <torch/extension.h>
+
+#include "ops.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using namespace llmserve;
+  m.def("paged_attention", &paged_attention,
+        "softmax(q k^T * scale) v per query row, reading the paged cache in place");
+  m.def("store_kv", &store_kv, "write keys or values into the paged cache at their slots");
+  m.def("rms_norm", &rms_norm, "weight * x / sqrt(mean(x^2) + eps), row by row");
+  m.def("add_rms_norm_", &add_rms_norm_,
+        "residual += delta (in place); returns rms_norm(residual)");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up for a fused [rows, 2 d] input");
+  m.def("rotary_embedding_", &rotary_embedding_, "rotate-half rotary embedding, in place");
+}

@@ -1,0 +1,118 @@
+// Elementwise and row-wise layer ops: RMSNorm (with the residual add fused), SiLU-and-mul,
+// rotary embedding in place. Each row is computed on its own in a fixed order.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include "cpu_math.h"
+#include "ops.h"
+
+namespace llmserve {
+
+namespace {
+
+void check_rows(const at::Tensor& x, const char* name) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
+              name, " must be a float32 [rows, hidden] tensor with contiguous rows");
+}
+
+inline void norm_row(const float* x, const float* w, float* out, int64_t n, float eps) {
+  const float inv = 1.f / std::sqrt(sum_squares(x, n) / static_cast<float>(n) + eps);
+  for (int64_t i = 0; i < n; ++i) out[i] = w[i] * (x[i] * inv);
+}
+
+}  // namespace
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rows(x, "x");
+  const int64_t rows = x.size(0), n = x.size(1);
+  auto out = at::empty({rows, n}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t stride = x.stride(0);
+  at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r)
+      norm_row(xp + r * stride, wp, op + r * n, n, static_cast<float>(eps));
+  });
+  return out;
+}
+
+at::Tensor add_rms_norm_(at::Tensor& residual, const at::Tensor& delta, const at::Tensor& weight,
+                         double eps) {
+  check_rows(residual, "residual");
+  check_rows(delta, "delta");
+  TORCH_CHECK(residual.is_contiguous() && residual.sizes() == delta.sizes(),
+              "residual must be contiguous and the shape of delta");
+  const int64_t rows = residual.size(0), n = residual.size(1);
+  auto out = at::empty({rows, n}, residual.options());
+  float* rp = residual.data_ptr<float>();
+  const float* dp = delta.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t dstride = delta.stride(0);
+  at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      float* x = rp + r * n;
+      const float* d = dp + r * dstride;
+      for (int64_t i = 0; i < n; ++i) x[i] += d[i];
+      norm_row(x, wp, op + r * n, n, static_cast<float>(eps));
+    }
+  });
+  return out;
+}
+
+at::Tensor silu_and_mul(const at::Tensor& gate_up) {
+  check_rows(gate_up, "gate_up");
+  const int64_t rows = gate_up.size(0), n = gate_up.size(1) / 2;
+  auto out = at::empty({rows, n}, gate_up.options());
+  const float* gp = gate_up.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t stride = gate_up.stride(0);
+  at::parallel_for(0, rows, 4, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      const float* g = gp + r * stride;
+      const float* u = g + n;
+      float* o = op + r * n;
+      for (int64_t i = 0; i < n; ++i) o[i] = g[i] / (1.f + exp_approx(-g[i])) * u[i];
+    }
+  });
+  return out;
+}
+
+void rotary_embedding_(at::Tensor& q, at::Tensor& k, const at::Tensor& positions,
+                       const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat &&
+              q.dim() == 3 && k.dim() == 3 && q.stride(2) == 1 && k.stride(2) == 1 &&
+              q.stride(1) == q.size(2) && k.stride(1) == k.size(2),
+              "q and k must be float32 [T, heads, head_dim] with contiguous heads");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == at::kFloat,
+              "rotary tables must be contiguous float32");
+  const int64_t tokens = q.size(0), dim = q.size(2), half = dim / 2;
+  const int64_t max_pos = cos.size(0);
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  float* qp = q.data_ptr<float>();
+  float* kp = k.data_ptr<float>();
+  const int64_t qh = q.size(1), kh = k.size(1), qs = q.stride(0), ks = k.stride(0);
+  at::parallel_for(0, tokens, 16, [&](int64_t b, int64_t e) {
+    std::vector<float> tmp(dim);
+    for (int64_t t = b; t < e; ++t) {
+      TORCH_CHECK(pos[t] >= 0 && pos[t] < max_pos, "position out of the rotary table");
+      const float* c = cp + pos[t] * dim;  // [2, D/2]: cos for both halves
+      const float* s = sp + pos[t] * dim;  // [2, D/2]: -sin, then sin
+      auto rotate = [&](float* x) {
+        for (int64_t i = 0; i < half; ++i) {
+          tmp[i] = x[i] * c[i] + x[i + half] * s[i];
+          tmp[i + half] = x[i + half] * c[i + half] + x[i] * s[i + half];
+        }
+        std::copy(tmp.begin(), tmp.end(), x);
+      };
+      for (int64_t h = 0; h < qh; ++h) rotate(qp + t * qs + h * dim);
+      for (int64_t h = 0; h < kh; ++h) rotate(kp + t * ks + h * dim);
+    }
+  });
+}
+
+}  // namespace llmserve

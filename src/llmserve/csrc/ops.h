@@ -1,0 +1,23 @@
+// The compiled CPU ops, bound to Python in bindings.cpp.
+#pragma once
+
+#include <ATen/ATen.h>
+
+namespace llmserve {
+
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& key_cache,
+                           const at::Tensor& value_cache,
+                           const c10::optional<at::Tensor>& key_scale,
+                           const c10::optional<at::Tensor>& value_scale,
+                           const at::Tensor& block_tables, const at::Tensor& query_start,
+                           const at::Tensor& positions, double scale);
+void store_kv(const at::Tensor& x, at::Tensor& cache, const c10::optional<at::Tensor>& scales,
+              const at::Tensor& slots, double max_code);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+at::Tensor add_rms_norm_(at::Tensor& residual, const at::Tensor& delta, const at::Tensor& weight,
+                         double eps);
+at::Tensor silu_and_mul(const at::Tensor& gate_up);
+void rotary_embedding_(at::Tensor& q, at::Tensor& k, const at::Tensor& positions,
+                       const at::Tensor& cos, const at::Tensor& sin);
+
+}  // namespace llmserve
