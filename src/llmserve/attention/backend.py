@@ -43,8 +43,8 @@ class AttentionBackend(Protocol):
                 kv_cache: PagedKVCache, metadata: Any, scale: float) -> torch.Tensor:
         """``q``: [T, Hq, D]; ``k``, ``v``: [T, Hkv, D]; returns [T, Hq * D].
 
-        ``kv_cache`` is the layer's paged cache (keys and values, each
-        [num_blocks, block_size, Hkv, D], in its storage format).
+        ``kv_cache`` is the layer's paged cache (see ``kv_format`` for its layout and
+        storage formats).
         """
         ...
 
@@ -70,13 +70,16 @@ def register_attention_backend(name: str):
     return wrap
 
 
-def get_attention_backend(name: str, device: torch.device | str = "cpu") -> AttentionBackend:
-    """``auto``: the compiled kernel on CPU when it is available, else ``torch_paged``."""
+def get_attention_backend(name: str, device: torch.device | str = "cpu",
+                          block_size: int = 16) -> AttentionBackend:
+    """``auto``: the compiled kernel on CPU when it is available and ``block_size`` a multiple
+    of 16 (its vector width), else ``torch_paged``."""
     _register_builtin()
     if name == "auto":
         from llmserve.csrc import cpu_ops
 
-        name = "cpu_paged" if torch.device(device).type == "cpu" and cpu_ops() else "torch_paged"
+        usable = torch.device(device).type == "cpu" and block_size % 16 == 0
+        name = "cpu_paged" if usable and cpu_ops() else "torch_paged"
     if name not in _BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose from {sorted(_BACKENDS)}")
     return _BACKENDS[name]()

@@ -49,9 +49,9 @@ class CpuPagedBackend:
                 kv_cache: PagedKVCache, metadata: CpuPagedMetadata,
                 scale: float) -> torch.Tensor:
         max_code = kv_cache.max_code or 0.0
-        self._ops.store_kv(k, kv_cache.key, kv_cache.key_scale, metadata.slot_mapping, max_code)
-        self._ops.store_kv(v, kv_cache.value, kv_cache.value_scale, metadata.slot_mapping,
-                           max_code)
+        slots = metadata.slot_mapping
+        self._ops.store_kv(k, kv_cache.key, kv_cache.key_scale, slots, max_code, True)
+        self._ops.store_kv(v, kv_cache.value, kv_cache.value_scale, slots, max_code, False)
         return self._ops.paged_attention(q, kv_cache.key, kv_cache.value, kv_cache.key_scale,
                             kv_cache.value_scale, metadata.block_tables, metadata.query_start,
                             metadata.positions, scale)

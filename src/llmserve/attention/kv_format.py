@@ -37,11 +37,11 @@ def kv_bytes_per_vector(name: str, head_dim: int) -> int:
 
 @dataclass
 class PagedKVCache:
-    """One layer's cache: [num_blocks, block_size, Hkv, D] keys and values (+ scales)."""
+    """One layer's cache: keys, values (+ scales) in the layout above."""
 
-    key: torch.Tensor
-    value: torch.Tensor
-    key_scale: torch.Tensor | None  # [num_blocks, block_size, Hkv] float32
+    key: torch.Tensor  # [num_blocks, Hkv, D, block_size]
+    value: torch.Tensor  # [num_blocks, Hkv, block_size, D]
+    key_scale: torch.Tensor | None  # [num_blocks, Hkv, block_size] float32
     value_scale: torch.Tensor | None
     max_code: float | None
 
@@ -49,54 +49,70 @@ class PagedKVCache:
     def allocate(cls, name: str, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, device: torch.device) -> PagedKVCache:
         dtype, max_code = KV_CACHE_DTYPES[name]
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
         # Zeroed, so that padded reads of never-written slots stay finite.
-        key = torch.zeros(shape, dtype=dtype, device=device)
-        value = torch.zeros(shape, dtype=dtype, device=device)
+        key = torch.zeros(num_blocks, num_kv_heads, head_dim, block_size, dtype=dtype,
+                          device=device)
+        value = torch.zeros(num_blocks, num_kv_heads, block_size, head_dim, dtype=dtype,
+                            device=device)
         scales = (None, None) if max_code is None else tuple(
-            torch.zeros(shape[:3], device=device) for _ in range(2))
+            torch.zeros(num_blocks, num_kv_heads, block_size, device=device) for _ in range(2))
         return cls(key, value, *scales, max_code)
 
     @property
     def num_blocks(self) -> int:
         return self.key.shape[0]
 
+    @property
+    def block_size(self) -> int:
+        return self.value.shape[2]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.value.shape[1]
+
     def store(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write ``k``, ``v`` [T, Hkv, D] float32 at cache slots ``slots`` [T]."""
-        self._store(self.key, self.key_scale, slots, k)
-        self._store(self.value, self.value_scale, slots, v)
+        blocks, offsets = slots // self.block_size, slots % self.block_size
+        self._store(self.key, self.key_scale, blocks, offsets, k, transposed=True)
+        self._store(self.value, self.value_scale, blocks, offsets, v, transposed=False)
 
-    def _store(self, cache: torch.Tensor, scales: torch.Tensor | None, slots: torch.Tensor,
-               x: torch.Tensor) -> None:
-        num_kv_heads, head_dim = x.shape[1], x.shape[2]
+    def _store(self, cache: torch.Tensor, scales: torch.Tensor | None, blocks: torch.Tensor,
+               offsets: torch.Tensor, x: torch.Tensor, transposed: bool) -> None:
         if scales is not None:
             s = x.abs().amax(dim=-1).clamp_(min=torch.finfo(torch.float32).tiny)
             s.div_(self.max_code)  # [T, Hkv]
             x = x / s.unsqueeze(-1)
             if cache.dtype == torch.int8:
                 x = x.round_()
-            scales.view(-1, num_kv_heads).index_copy_(0, slots, s)
-        codes = x.to(cache.dtype).contiguous()
-        # Copied as raw bytes: index_copy_ has no float8 kernel on CPU.
-        _bytes(cache).view(-1, num_kv_heads, head_dim * cache.element_size()).index_copy_(
-            0, slots, _bytes(codes).view(-1, num_kv_heads, head_dim * cache.element_size()))
+            scales[blocks, :, offsets] = s
+        # Written as same-width integers: index_put_ has no float8 kernel on CPU.
+        codes = _as_int(x.to(cache.dtype))
+        if transposed:
+            _as_int(cache)[blocks, :, :, offsets] = codes
+        else:
+            _as_int(cache)[blocks, :, offsets] = codes
 
     def gather(self, block_ids: torch.Tensor, keys_out: torch.Tensor,
                values_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Blocks ``block_ids`` [n] of keys and values as float32 [n, block_size, Hkv, D].
+        """Blocks ``block_ids`` [n] of keys and values as float32 [n, block_size, Hkv, D]
+        (the backend-neutral layout; a copy).
 
         ``keys_out``/``values_out`` are reusable byte buffers of [n, block bytes]."""
-        return (self._gather(self.key, self.key_scale, block_ids, keys_out),
-                self._gather(self.value, self.value_scale, block_ids, values_out))
+        return (self._gather(self.key, self.key_scale, block_ids, keys_out, transposed=True),
+                self._gather(self.value, self.value_scale, block_ids, values_out,
+                             transposed=False))
 
     def _gather(self, cache: torch.Tensor, scales: torch.Tensor | None,
-                block_ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+                block_ids: torch.Tensor, out: torch.Tensor, transposed: bool) -> torch.Tensor:
         torch.index_select(_bytes(cache).view(cache.shape[0], -1), 0, block_ids, out=out)
         x = out.view(cache.dtype).view(-1, *cache.shape[1:])
+        # -> [n, block_size, Hkv, D]
+        x = x.permute(0, 3, 1, 2) if transposed else x.permute(0, 2, 1, 3)
+        x = torch.empty(x.shape, dtype=torch.float32, device=x.device).copy_(x)
         if scales is None:
-            return x.float() if x.dtype != torch.float32 else x
-        s = scales.index_select(0, block_ids)  # [n, block_size, Hkv]
-        return x.float().mul_(s.unsqueeze(-1))
+            return x
+        s = scales.index_select(0, block_ids).transpose(1, 2)  # [n, block_size, Hkv]
+        return x.mul_(s.unsqueeze(-1))
 
     def gather_buffer(self, num: int) -> torch.Tensor:
         """A byte buffer that ``gather`` can fill with ``num`` blocks of keys or values."""
@@ -106,3 +122,10 @@ class PagedKVCache:
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8)
+
+
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+
+
+def _as_int(t: torch.Tensor) -> torch.Tensor:
+    return t.view(_INT_OF_SIZE[t.element_size()])

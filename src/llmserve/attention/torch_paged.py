@@ -151,7 +151,7 @@ def _attend(q: torch.Tensor, kv_cache: PagedKVCache, group: AttentionGroup,
        in float32, times v.
     """
     _, num_heads, head_dim = q.shape
-    num_kv_heads = kv_cache.key.shape[2]
+    num_kv_heads = kv_cache.num_kv_heads
     group_size = num_heads // num_kv_heads
     b, qm, ctx = group.num_seqs, group.max_query_len, group.context_len
     if group.q_index is None:

@@ -74,7 +74,17 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
       const float* g = gp + r * stride;
       const float* u = g + n;
       float* o = op + r * n;
-      for (int64_t i = 0; i < n; ++i) o[i] = g[i] / (1.f + exp_approx(-g[i])) * u[i];
+      const int64_t body = n - n % kLanes;
+      for (int64_t i = 0; i < body; i += kLanes) {
+        const vfloat gv = vload(g + i);
+        vstore(o + i, gv / (1.f + vexp(-gv)) * vload(u + i));
+      }
+      for (int64_t i = body; i < n; ++i) {  // the tail through a zero-padded vector
+        float gt[kLanes] = {0}, et[kLanes];
+        gt[0] = -g[i];
+        vstore(et, vexp(vload(gt)));
+        o[i] = g[i] / (1.f + et[0]) * u[i];
+      }
     }
   });
   return out;

@@ -12,7 +12,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& key_cache,
                            const at::Tensor& block_tables, const at::Tensor& query_start,
                            const at::Tensor& positions, double scale);
 void store_kv(const at::Tensor& x, at::Tensor& cache, const c10::optional<at::Tensor>& scales,
-              const at::Tensor& slots, double max_code);
+              const at::Tensor& slots, double max_code, bool transposed);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor add_rms_norm_(at::Tensor& residual, const at::Tensor& delta, const at::Tensor& weight,
                          double eps);

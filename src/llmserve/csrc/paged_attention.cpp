@@ -1,17 +1,20 @@
 // Paged attention on CPU, reading the KV cache blocks in place.
 //
+// Cache layout (attention/kv_format.py): keys [blocks, Hkv, D, block_size] (a block's keys
+// of one head are a [D, block_size] tile, so 16 scores come out of one vector per step
+// over D), values [blocks, Hkv, block_size, D].
+//
 // Every query row is computed by the same sequence of operations whatever else is in the
-// batch: its scores are dot products over head_dim with a fixed lane layout, its softmax
-// and its weighted sum of values run over keys 0..pos in order. Rows of a prefill chunk are
-// processed in tiles (each key row is converted once and used by every row of the tile),
-// but a row's own arithmetic is the one it would have alone. That makes the result of a
-// row independent of the batch, of chunking and of the tile it falls in.
+// batch: each score is a sum over head_dim in order (one vector lane per key), the softmax
+// and the weighted sum of values run over keys 0..pos in order. Rows of a prefill chunk are
+// handled in tiles that share each key and value load, but a row's own arithmetic is the
+// one it would have alone. So a row's result does not depend on the batch, on chunking or
+// on the tile it falls in.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -25,48 +28,57 @@ namespace {
 
 constexpr int kTile = 8;  // query rows of one sequence handled together
 
-// Converts one cached head vector of `d` values to float32.
+typedef int8_t vi8 __attribute__((vector_size(kLanes)));
+typedef uint16_t vu16 __attribute__((vector_size(kLanes * 2)));
+
+// kLanes consecutive cached values as float32.
 template <typename T>
-struct Loader;
+inline vfloat load16(const T* p);
 
 template <>
-struct Loader<float> {
-  static const float* load(const float* src, float*, int) { return src; }
-};
+inline vfloat load16<float>(const float* p) { return vload(p); }
 
 template <>
-struct Loader<c10::BFloat16> {
-  static const float* load(const c10::BFloat16* src, float* dst, int d) {
-    const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
-    for (int i = 0; i < d; ++i)
-      dst[i] = __builtin_bit_cast(float, static_cast<uint32_t>(s[i]) << 16);
-    return dst;
-  }
-};
+inline vfloat load16<c10::BFloat16>(const c10::BFloat16* p) {
+  vu16 h;
+  std::memcpy(&h, p, sizeof(h));
+  const vint bits = __builtin_convertvector(h, vint) << 16;
+  vfloat v;
+  std::memcpy(&v, &bits, sizeof(v));
+  return v;
+}
 
 template <>
-struct Loader<int8_t> {
-  static const float* load(const int8_t* src, float* dst, int d) {
-    for (int i = 0; i < d; ++i) dst[i] = static_cast<float>(src[i]);
-    return dst;
-  }
-};
+inline vfloat load16<int8_t>(const int8_t* p) {
+  vi8 b;
+  std::memcpy(&b, p, sizeof(b));
+  return __builtin_convertvector(b, vfloat);
+}
+
+const float* fp8_table() {
+  static const std::vector<float> table = [] {
+    std::vector<float> t(256);
+    for (int i = 0; i < 256; ++i)
+      t[i] = static_cast<float>(
+          c10::Float8_e4m3fn(static_cast<uint8_t>(i), c10::Float8_e4m3fn::from_bits()));
+    return t;
+  }();
+  return table.data();
+}
 
 template <>
-struct Loader<c10::Float8_e4m3fn> {
-  static const float* load(const c10::Float8_e4m3fn* src, float* dst, int d) {
-    static const std::vector<float> table = [] {
-      std::vector<float> t(256);
-      for (int i = 0; i < 256; ++i)
-        t[i] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(i),
-                                                     c10::Float8_e4m3fn::from_bits()));
-      return t;
-    }();
-    const uint8_t* s = reinterpret_cast<const uint8_t*>(src);
-    for (int i = 0; i < d; ++i) dst[i] = table[s[i]];
-    return dst;
-  }
-};
+inline vfloat load16<c10::Float8_e4m3fn>(const c10::Float8_e4m3fn* p) {
+  static const float* table = fp8_table();
+  const uint8_t* b = reinterpret_cast<const uint8_t*>(p);
+  float f[kLanes];
+  for (int i = 0; i < kLanes; ++i) f[i] = table[b[i]];
+  return vload(f);
+}
+
+inline void prefetch(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i);
+}
 
 template <typename T>
 void attend(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache,
@@ -75,10 +87,12 @@ void attend(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& 
             const at::Tensor& query_start, const at::Tensor& positions, double scale,
             at::Tensor& out) {
   const int64_t num_heads = q.size(1), head_dim = q.size(2);
-  const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
+  const int64_t num_kv_heads = key_cache.size(1), block_size = key_cache.size(3);
   const int64_t group = num_heads / num_kv_heads;
   const int64_t num_seqs = query_start.size(0) - 1;
   const int64_t max_blocks = block_tables.size(1);
+  const int64_t block_elems = num_kv_heads * head_dim * block_size;
+  const int64_t head_elems = head_dim * block_size;
   const float* q_ptr = q.data_ptr<float>();
   const int64_t q_stride = q.stride(0);
   const T* k_ptr = key_cache.data_ptr<T>();
@@ -101,11 +115,12 @@ void attend(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& 
   const int64_t num_items = static_cast<int64_t>(item_seq.size()) * num_kv_heads;
 
   at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> kbuf(head_dim), vbuf(head_dim), scores;
+    std::vector<float> scores, acc;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t tile = item / num_kv_heads, h = item % num_kv_heads;
       const int64_t b = item_seq[tile], t0 = item_row[tile];
       const int64_t rows = std::min<int64_t>(kTile, qstart[b + 1] - t0);
+      const int64_t nq = rows * group;  // query vectors of this item, row-major (r, g)
       const int64_t* table = tables + b * max_blocks;
       int64_t len[kTile];
       int64_t max_len = 0;
@@ -114,67 +129,77 @@ void attend(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& 
         max_len = std::max(max_len, len[r]);
       }
       TORCH_CHECK(max_len <= max_blocks * block_size, "position past the block table");
-      // scores[(r * group + g) * max_len + j]
-      scores.resize(static_cast<size_t>(rows * group * max_len));
+      TORCH_CHECK(rows * group <= kTile * 64, "too many query heads per KV head");
+      int64_t qlen[kTile * 64];  // keys visible to each query vector
+      for (int64_t i = 0; i < rows * group; ++i) qlen[i] = len[i / group];
+      const int64_t num_blocks = (max_len + block_size - 1) / block_size;
+      const int64_t stride = num_blocks * block_size;  // scores per query vector
+      scores.resize(static_cast<size_t>(nq * stride));
+      auto qvec = [&](int64_t i) {
+        return q_ptr + (t0 + i / group) * q_stride + (h * group + i % group) * head_dim;
+      };
 
-      // 1. Scores: q . k * scale (* the key's stored scale), in key order.
-      for (int64_t j = 0; j < max_len; ++j) {
-        const int64_t slot = table[j / block_size] * block_size + j % block_size;
-        const int64_t at = slot * num_kv_heads + h;
-        const float* k = Loader<T>::load(k_ptr + at * head_dim, kbuf.data(), head_dim);
-        const float s = ks_ptr ? ks_ptr[at] * sm_scale : sm_scale;
-        for (int64_t r = 0; r < rows; ++r) {
-          if (j >= len[r]) continue;
-          const float* qr = q_ptr + (t0 + r) * q_stride + h * group * head_dim;
-          for (int64_t g = 0; g < group; ++g)
-            scores[(r * group + g) * max_len + j] = dot(qr + g * head_dim, k, head_dim) * s;
-        }
-      }
-      // 2. Softmax numerators per row and head; the sums in key order.
-      std::vector<float> inv_sum(rows * group);
-      for (int64_t rg = 0; rg < rows * group; ++rg) {
-        float* sc = scores.data() + rg * max_len;
-        const int64_t n = len[rg / group];
-        float m = sc[0];
-        for (int64_t j = 1; j < n; ++j) m = std::max(m, sc[j]);
-        for (int64_t j = 0; j < n; ++j) sc[j] = exp_approx(sc[j] - m);
-        float sum = 0.f;
-        for (int64_t j = 0; j < n; ++j) sum += sc[j];
-        inv_sum[rg] = 1.f / sum;
-      }
-      // 3. Weighted sum of values in key order, then normalize.
-      float* o_tile = out_ptr + (t0 * num_heads + h * group) * head_dim;
-      for (int64_t r = 0; r < rows; ++r)
-        for (int64_t g = 0; g < group; ++g)
-          std::memset(o_tile + (r * num_heads + g) * head_dim, 0, head_dim * sizeof(float));
-      for (int64_t j = 0; j < max_len; ++j) {
-        const int64_t slot = table[j / block_size] * block_size + j % block_size;
-        const int64_t at = slot * num_kv_heads + h;
-        const float* v = Loader<T>::load(v_ptr + at * head_dim, vbuf.data(), head_dim);
-        const float vs = vs_ptr ? vs_ptr[at] : 1.f;
-        for (int64_t r = 0; r < rows; ++r) {
-          if (j >= len[r]) continue;
-          for (int64_t g = 0; g < group; ++g) {
-            const float w = scores[(r * group + g) * max_len + j] * vs;
-            float* o = o_tile + (r * num_heads + g) * head_dim;
-            for (int64_t d = 0; d < head_dim; ++d) o[d] = std::fma(w, v[d], o[d]);
+      // 1. Scores, a block of keys at a time: lane c of a vector sums q[d] k_c[d] over d
+      //    in order; then times scale (and the key's stored scale).
+      for (int64_t blk = 0; blk < num_blocks; ++blk) {
+        const int64_t at = table[blk] * block_elems + h * head_elems;
+        const T* kt = k_ptr + at;  // [D, block_size]
+        if (blk + 1 < num_blocks) prefetch(k_ptr + table[blk + 1] * block_elems + h * head_elems,
+                                           head_elems * sizeof(T));
+        for (int64_t c = 0; c < block_size; c += kLanes) {
+          vfloat ks = vsplat(sm_scale);
+          if (ks_ptr) ks = vload(ks_ptr + at / head_dim + c) * sm_scale;
+          for (int64_t i = 0; i < nq; ++i) {
+            if (blk * block_size + c >= qlen[i]) continue;
+            const float* qi = qvec(i);
+            vfloat s{};
+            for (int64_t d = 0; d < head_dim; ++d) s += qi[d] * load16(kt + d * block_size + c);
+            vstore(scores.data() + i * stride + blk * block_size + c, s * ks);
           }
         }
       }
-      for (int64_t r = 0; r < rows; ++r)
-        for (int64_t g = 0; g < group; ++g) {
-          float* o = o_tile + (r * num_heads + g) * head_dim;
-          const float inv = inv_sum[r * group + g];
-          for (int64_t d = 0; d < head_dim; ++d) o[d] *= inv;
+      // 2. Softmax numerators (lanes past a row's length are scratch); sums in key order.
+      float inv_sum[kTile * 64];
+      for (int64_t i = 0; i < nq; ++i) {
+        float* sc = scores.data() + i * stride;
+        const int64_t n = qlen[i];
+        float m = sc[0];
+        for (int64_t j = 1; j < n; ++j) m = std::max(m, sc[j]);
+        const vfloat mv = vsplat(m);
+        for (int64_t j = 0; j < n; j += kLanes) vstore(sc + j, vexp(vload(sc + j) - mv));
+        float sum = 0.f;
+        for (int64_t j = 0; j < n; ++j) sum += sc[j];
+        inv_sum[i] = 1.f / sum;
+      }
+      // 3. Weighted sum of values in key order, then normalize.
+      acc.assign(static_cast<size_t>(nq * head_dim), 0.f);
+      std::vector<float> vrow(head_dim);
+      for (int64_t j = 0; j < max_len; ++j) {
+        const int64_t blk = j / block_size, off = j % block_size;
+        if (off == 0 && blk + 1 < num_blocks)
+          prefetch(v_ptr + table[blk + 1] * block_elems + h * head_elems, head_elems * sizeof(T));
+        const int64_t at = table[blk] * block_elems + h * head_elems + off * head_dim;
+        for (int64_t d = 0; d < head_dim; d += kLanes) vstore(vrow.data() + d, load16(v_ptr + at + d));
+        const float vs = vs_ptr ? vs_ptr[at / head_dim] : 1.f;
+        for (int64_t i = 0; i < nq; ++i) {
+          if (j >= qlen[i]) continue;
+          axpy(scores[i * stride + j] * vs, vrow.data(), acc.data() + i * head_dim, head_dim);
         }
+      }
+      for (int64_t i = 0; i < nq; ++i) {
+        float* o = out_ptr + ((t0 + i / group) * num_heads + h * group + i % group) * head_dim;
+        const vfloat inv = vsplat(inv_sum[i]);
+        for (int64_t d = 0; d < head_dim; d += kLanes)
+          vstore(o + d, vload(acc.data() + i * head_dim + d) * inv);
+      }
     }
   });
 }
 
 }  // namespace
 
-// q: [T, Hq, D] float32 (rows may be strided); caches: [num_blocks, block_size, Hkv, D]; scales (8-bit formats):
-// [num_blocks, block_size, Hkv] float32; block_tables: [B, max_blocks] int64; query_start:
+// q: [T, Hq, D] float32 (rows may be strided); caches as above; scales (8-bit formats):
+// [blocks, Hkv, block_size] float32; block_tables: [B, max_blocks] int64; query_start:
 // [B + 1] int64 (rows of sequence b are query_start[b]..query_start[b+1]); positions: [T]
 // int64 (row t sees keys 0..positions[t] of its sequence). Returns [T, Hq * D] float32.
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& key_cache,
@@ -187,11 +212,14 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& key_cache,
                   q.stride(1) == q.size(2),
               "q must be a float32 [T, Hq, D] tensor with contiguous heads");
   TORCH_CHECK(q.size(2) % kLanes == 0, "head_dim must be a multiple of ", kLanes);
-  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(),
+  TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous() && value_cache.is_contiguous(),
               "the KV cache must be contiguous");
-  TORCH_CHECK(q.size(1) % key_cache.size(2) == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(key_cache.size(3) % kLanes == 0, "block_size must be a multiple of ", kLanes);
+  TORCH_CHECK(key_cache.size(2) == q.size(2), "key cache head_dim does not match q");
+  TORCH_CHECK(q.size(1) % key_cache.size(1) == 0, "query heads must be a multiple of KV heads");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && query_start.scalar_type() == at::kLong &&
-              positions.scalar_type() == at::kLong, "index tensors must be int64");
+                  positions.scalar_type() == at::kLong,
+              "index tensors must be int64");
   auto tables = block_tables.contiguous();
   auto out = at::empty({q.size(0), q.size(1) * q.size(2)}, q.options());
   switch (key_cache.scalar_type()) {

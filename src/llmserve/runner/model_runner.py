@@ -32,7 +32,7 @@ class ModelRunner:
         self.model = model
         self.device = torch.device(device)
         self.block_size = block_size
-        self.backend = get_attention_backend(attention_backend, self.device)
+        self.backend = get_attention_backend(attention_backend, self.device, block_size)
         self.kv_caches = [
             PagedKVCache.allocate(kv_cache_dtype, num_blocks, block_size,
                                   cfg.num_key_value_heads, cfg.head_dim, self.device)

@@ -26,7 +26,7 @@ def sequence_logits(model: nn.Module, token_ids: list[int], *, block_size: int =
     kv_caches = [PagedKVCache.allocate(kv_cache_dtype, num_blocks, block_size,
                                        cfg.num_key_value_heads, cfg.head_dim, device)
                  for _ in range(cfg.num_hidden_layers)]
-    attn = get_attention_backend(backend, device)
+    attn = get_attention_backend(backend, device, block_size)
     positions = torch.arange(n, device=device)
     layout = BatchLayout(slot_mapping=positions.clone(),
                          block_tables=torch.arange(num_blocks, device=device).view(1, -1),
