@@ -115,3 +115,24 @@ def test_matches_float64_reference(backend: str, kv_dtype: str):
             scores = torch.einsum("hgd,lhd->hgl", qi, k_all[: pos + 1]) * D**-0.5
             ref = torch.einsum("hgl,lhd->hgd", scores.softmax(-1), v_all[: pos + 1])
             torch.testing.assert_close(out[i].double(), ref.reshape(-1), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(cpu_ops() is None, reason="compiled CPU kernels unavailable")
+@pytest.mark.parametrize("kv_dtype", list(KV_CACHE_DTYPES))
+def test_compiled_store_matches_python_store(kv_dtype: str):
+    """The compiled backend writes the same bytes (codes and scales) as PagedKVCache.store."""
+    gen = torch.Generator().manual_seed(1)
+    k = torch.randn(21, HKV, D, generator=gen) * 3
+    v = torch.randn(21, HKV, D, generator=gen)
+    slots = torch.randperm(5 * BS, generator=gen)[:21]
+    ours, ref = (PagedKVCache.allocate(kv_dtype, 5, BS, HKV, D, torch.device("cpu"))
+                 for _ in range(2))
+    ref.store(slots, k, v)
+    code = ours.max_code or 0.0
+    cpu_ops().store_kv(k, ours.key, ours.key_scale, slots, code, True)
+    cpu_ops().store_kv(v, ours.value, ours.value_scale, slots, code, False)
+    for a, b in ((ours.key, ref.key), (ours.value, ref.value)):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    if ref.key_scale is not None:
+        assert torch.equal(ours.key_scale, ref.key_scale)
+        assert torch.equal(ours.value_scale, ref.value_scale)

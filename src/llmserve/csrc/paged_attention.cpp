@@ -80,6 +80,41 @@ inline void prefetch(const void* p, int64_t bytes) {
   for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i);
 }
 
+constexpr int kScoreRows = 4;  // query vectors scored together (one accumulator each)
+
+// dst[u * stride + lane] = (sum_d q_u[d] kt[d * ld + lane]) * ks, over d in order, for the
+// n <= kScoreRows query vectors q_u: one load of each key vector feeds every accumulator.
+template <typename T>
+inline void block_scores(const T* kt, int64_t ld, int64_t head_dim, const float* const* q,
+                         int64_t n, vfloat ks, float* dst, int64_t stride) {
+  vfloat acc[kScoreRows] = {};
+  const float* q0 = q[0];
+  const float* q1 = q[n > 1 ? 1 : 0];
+  const float* q2 = q[n > 2 ? 2 : 0];
+  const float* q3 = q[n > 3 ? 3 : 0];
+  for (int64_t d = 0; d < head_dim; ++d) {
+    const vfloat k = load16(kt + d * ld);
+    acc[0] += q0[d] * k;
+    acc[1] += q1[d] * k;
+    acc[2] += q2[d] * k;
+    acc[3] += q3[d] * k;
+  }
+  for (int64_t u = 0; u < n; ++u) vstore(dst + u * stride, acc[u] * ks);
+}
+
+// a[0 : 16 C] += sum_j w[j] (* vs[j]) v[j], over j = 0..keys in order, accumulating in
+// registers. v: [block_size, 16 C] values of one head.
+template <int C, typename T>
+inline void weighted_sum(const T* v, const float* w, const float* vs, int64_t keys, float* a) {
+  vfloat acc[C];
+  for (int c = 0; c < C; ++c) acc[c] = vload(a + c * kLanes);
+  for (int64_t j = 0; j < keys; ++j) {
+    const float wj = vs ? w[j] * vs[j] : w[j];
+    for (int c = 0; c < C; ++c) acc[c] += wj * load16(v + j * C * kLanes + c * kLanes);
+  }
+  for (int c = 0; c < C; ++c) vstore(a + c * kLanes, acc[c]);
+}
+
 template <typename T>
 void attend(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache,
             const c10::optional<at::Tensor>& key_scale,
@@ -135,9 +170,9 @@ void attend(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& 
       const int64_t num_blocks = (max_len + block_size - 1) / block_size;
       const int64_t stride = num_blocks * block_size;  // scores per query vector
       scores.resize(static_cast<size_t>(nq * stride));
-      auto qvec = [&](int64_t i) {
-        return q_ptr + (t0 + i / group) * q_stride + (h * group + i % group) * head_dim;
-      };
+      const float* qptrs[kTile * 64];
+      for (int64_t i = 0; i < nq; ++i)
+        qptrs[i] = q_ptr + (t0 + i / group) * q_stride + (h * group + i % group) * head_dim;
 
       // 1. Scores, a block of keys at a time: lane c of a vector sums q[d] k_c[d] over d
       //    in order; then times scale (and the key's stored scale).
@@ -149,12 +184,11 @@ void attend(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& 
         for (int64_t c = 0; c < block_size; c += kLanes) {
           vfloat ks = vsplat(sm_scale);
           if (ks_ptr) ks = vload(ks_ptr + at / head_dim + c) * sm_scale;
-          for (int64_t i = 0; i < nq; ++i) {
-            if (blk * block_size + c >= qlen[i]) continue;
-            const float* qi = qvec(i);
-            vfloat s{};
-            for (int64_t d = 0; d < head_dim; ++d) s += qi[d] * load16(kt + d * block_size + c);
-            vstore(scores.data() + i * stride + blk * block_size + c, s * ks);
+          // Every query vector, also past its own length (those lanes are scratch).
+          for (int64_t i = 0; i < nq; i += kScoreRows) {
+            float* dst = scores.data() + i * stride + blk * block_size + c;
+            block_scores(kt + c, block_size, head_dim, qptrs + i,
+                         std::min<int64_t>(kScoreRows, nq - i), ks, dst, stride);
           }
         }
       }
@@ -171,19 +205,30 @@ void attend(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& 
         for (int64_t j = 0; j < n; ++j) sum += sc[j];
         inv_sum[i] = 1.f / sum;
       }
-      // 3. Weighted sum of values in key order, then normalize.
+      // 3. Weighted sum of values in key order, a block at a time (its values stay in L1
+      //    while every query vector of the item takes its share), then normalize.
       acc.assign(static_cast<size_t>(nq * head_dim), 0.f);
-      std::vector<float> vrow(head_dim);
-      for (int64_t j = 0; j < max_len; ++j) {
-        const int64_t blk = j / block_size, off = j % block_size;
-        if (off == 0 && blk + 1 < num_blocks)
+      for (int64_t blk = 0; blk < num_blocks; ++blk) {
+        const int64_t at = table[blk] * block_elems + h * head_elems;
+        if (blk + 1 < num_blocks)
           prefetch(v_ptr + table[blk + 1] * block_elems + h * head_elems, head_elems * sizeof(T));
-        const int64_t at = table[blk] * block_elems + h * head_elems + off * head_dim;
-        for (int64_t d = 0; d < head_dim; d += kLanes) vstore(vrow.data() + d, load16(v_ptr + at + d));
-        const float vs = vs_ptr ? vs_ptr[at / head_dim] : 1.f;
+        const int64_t j0 = blk * block_size;
         for (int64_t i = 0; i < nq; ++i) {
-          if (j >= qlen[i]) continue;
-          axpy(scores[i * stride + j] * vs, vrow.data(), acc.data() + i * head_dim, head_dim);
+          const int64_t keys = std::min(block_size, qlen[i] - j0);
+          if (keys <= 0) continue;
+          const float* w = scores.data() + i * stride + j0;
+          const float* vs = vs_ptr ? vs_ptr + at / head_dim : nullptr;
+          float* a = acc.data() + i * head_dim;
+          if (head_dim == 64)
+            weighted_sum<4>(v_ptr + at, w, vs, keys, a);
+          else if (head_dim == 128)
+            weighted_sum<8>(v_ptr + at, w, vs, keys, a);
+          else
+            for (int64_t j = 0; j < keys; ++j) {
+              const float wj = vs ? w[j] * vs[j] : w[j];
+              for (int64_t d = 0; d < head_dim; d += kLanes)
+                vstore(a + d, vload(a + d) + wj * load16(v_ptr + at + j * head_dim + d));
+            }
         }
       }
       for (int64_t i = 0; i < nq; ++i) {
