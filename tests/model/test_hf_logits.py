@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from llmserve import envs
+from llmserve.csrc import cpu_ops
 from llmserve.models.loader import load_model
 from llmserve.runner.scoring import sequence_logits
 from tests.helpers.tiny_models import TINY_CONFIGS
@@ -17,8 +19,20 @@ def _prompt(n: int, seed: int = 1) -> list[int]:
     return torch.randint(17, 49152, (n,), generator=g).tolist()
 
 
+@pytest.fixture(params=["compiled", "pytorch"])
+def cpu_kernels(request, monkeypatch):
+    """Runs a test with the compiled CPU kernels, and again with the PyTorch fallbacks."""
+    if request.param == "compiled" and cpu_ops() is None:
+        pytest.skip("compiled CPU kernels unavailable")
+    if request.param == "pytorch":
+        monkeypatch.setattr(envs, "LLMSERVE_CPU_KERNELS", False)
+        cpu_ops.cache_clear()
+    yield request.param
+    cpu_ops.cache_clear()
+
+
 @pytest.mark.parametrize("name", sorted(TINY_CONFIGS))
-def test_logits_match_transformers(tiny_model_dir, name):
+def test_logits_match_transformers(tiny_model_dir, name, cpu_kernels):
     path, hf = tiny_model_dir(name)
     ours = load_model(str(path)).model
     ids = _prompt(100)
@@ -41,7 +55,7 @@ def test_sharded_safetensors_load_identically(tiny_model_dir):
 
 
 @pytest.mark.parametrize("name", ["llama-gqa", "llama-tied", "qwen2"])
-def test_greedy_continuation_matches_transformers(tiny_model_dir, name):
+def test_greedy_continuation_matches_transformers(tiny_model_dir, name, cpu_kernels):
     from llmserve import LLM, SamplingParams
 
     path, hf = tiny_model_dir(name)
