@@ -14,9 +14,10 @@ from llmserve.attention.kv_format import KV_CACHE_DTYPES, PagedKVCache
 from llmserve.csrc import cpu_ops
 
 HQ, HKV, D, BS = 9, 3, 64, 16
+NO_KERNELS = "compiled CPU kernels unavailable (no C++ compiler, or LLMSERVE_CPU_KERNELS=0)"
 BACKENDS = ["torch_paged",
             pytest.param("cpu_paged", marks=pytest.mark.skipif(
-                cpu_ops() is None, reason="compiled CPU kernels unavailable"))]
+                cpu_ops() is None, reason=NO_KERNELS))]
 
 
 def _run(backend_name: str, seqs: list[tuple[int, int, list[int]]], cache: PagedKVCache,
@@ -81,7 +82,7 @@ def test_rows_do_not_depend_on_the_batch(backend: str):
         assert torch.equal(mixed[1], _run(backend, [(0, 1, blocks[0])], cache(), kv, q)[0])
 
 
-@pytest.mark.skipif(cpu_ops() is None, reason="compiled CPU kernels unavailable")
+@pytest.mark.skipif(cpu_ops() is None, reason=NO_KERNELS)
 def test_compiled_rows_do_not_depend_on_the_chunk():
     """The compiled kernel's rows are the same computed as a decode (one row), inside a
     prefill chunk at any offset of its tiles, or in a chunk of a different length."""
@@ -117,7 +118,7 @@ def test_matches_float64_reference(backend: str, kv_dtype: str):
             torch.testing.assert_close(out[i].double(), ref.reshape(-1), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.skipif(cpu_ops() is None, reason="compiled CPU kernels unavailable")
+@pytest.mark.skipif(cpu_ops() is None, reason=NO_KERNELS)
 @pytest.mark.parametrize("kv_dtype", list(KV_CACHE_DTYPES))
 def test_compiled_store_matches_python_store(kv_dtype: str):
     """The compiled backend writes the same bytes (codes and scales) as PagedKVCache.store."""

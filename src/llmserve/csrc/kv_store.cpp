@@ -70,13 +70,9 @@ void store_kv(const at::Tensor& x, at::Tensor& cache, const c10::optional<at::Te
   const int64_t capacity = cache.size(0) * (transposed ? cache.size(3) : cache.size(2));
   for (int64_t t = 0; t < slots.numel(); ++t)
     TORCH_CHECK(slot_ptr[t] >= 0 && slot_ptr[t] < capacity, "slot out of range");
-  switch (cache.scalar_type()) {
-    case at::kFloat: store<float>(x, cache, sp, slot_ptr, max_code, transposed); break;
-    case at::kBFloat16: store<c10::BFloat16>(x, cache, sp, slot_ptr, max_code, transposed); break;
-    case at::kChar: store<int8_t>(x, cache, sp, slot_ptr, max_code, transposed); break;
-    case at::kFloat8_e4m3fn: store<c10::Float8_e4m3fn>(x, cache, sp, slot_ptr, max_code, transposed); break;
-    default: TORCH_CHECK(false, "unsupported KV cache dtype ", cache.scalar_type());
-  }
+  dispatch_kv_dtype(cache.scalar_type(), [&](auto tag) {
+    store<decltype(tag)>(x, cache, sp, slot_ptr, max_code, transposed);
+  });
 }
 
 }  // namespace llmserve

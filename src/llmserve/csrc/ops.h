@@ -5,6 +5,19 @@
 
 namespace llmserve {
 
+// Calls f(T{}) with T the C++ type of a KV cache storage dtype (float32, bfloat16, int8,
+// fp8 e4m3): the one place that lists the formats the kernels read and write.
+template <typename F>
+void dispatch_kv_dtype(at::ScalarType dtype, F&& f) {
+  switch (dtype) {
+    case at::kFloat: f(float{}); break;
+    case at::kBFloat16: f(c10::BFloat16{}); break;
+    case at::kChar: f(int8_t{}); break;
+    case at::kFloat8_e4m3fn: f(c10::Float8_e4m3fn{}); break;
+    default: TORCH_CHECK(false, "unsupported KV cache dtype ", dtype);
+  }
+}
+
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& key_cache,
                            const at::Tensor& value_cache,
                            const c10::optional<at::Tensor>& key_scale,

@@ -267,26 +267,10 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& key_cache,
               "index tensors must be int64");
   auto tables = block_tables.contiguous();
   auto out = at::empty({q.size(0), q.size(1) * q.size(2)}, q.options());
-  switch (key_cache.scalar_type()) {
-    case at::kFloat:
-      attend<float>(q, key_cache, value_cache, key_scale, value_scale, tables, query_start,
-                    positions, scale, out);
-      break;
-    case at::kBFloat16:
-      attend<c10::BFloat16>(q, key_cache, value_cache, key_scale, value_scale, tables,
-                            query_start, positions, scale, out);
-      break;
-    case at::kChar:
-      attend<int8_t>(q, key_cache, value_cache, key_scale, value_scale, tables, query_start,
-                     positions, scale, out);
-      break;
-    case at::kFloat8_e4m3fn:
-      attend<c10::Float8_e4m3fn>(q, key_cache, value_cache, key_scale, value_scale, tables,
-                                 query_start, positions, scale, out);
-      break;
-    default:
-      TORCH_CHECK(false, "unsupported KV cache dtype ", key_cache.scalar_type());
-  }
+  dispatch_kv_dtype(key_cache.scalar_type(), [&](auto tag) {
+    attend<decltype(tag)>(q, key_cache, value_cache, key_scale, value_scale, tables,
+                          query_start, positions, scale, out);
+  });
   return out;
 }
 
