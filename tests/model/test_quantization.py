@@ -72,7 +72,9 @@ def test_quantized_formats_shrink_the_weights(tiny_model_dir):
              for q in ("none", "int8", "int4")}
     bf16 = load_model(str(path), quantization="none", dtype="bfloat16").weight_bytes
     assert bf16 < 0.51 * sizes["none"]
-    assert sizes["int8"] < 0.27 * sizes["none"]
+    # int8: a quarter, plus per channel a scale and (VNNI packing) an int32 offset and padding
+    # to 64 channels, which the tiny model's 64-wide rows make a few percent.
+    assert sizes["int8"] < 0.3 * sizes["none"]
     assert sizes["int4"] < sizes["int8"]
 
 

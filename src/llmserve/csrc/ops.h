@@ -30,6 +30,11 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor add_rms_norm_(at::Tensor& residual, const at::Tensor& delta, const at::Tensor& weight,
                          double eps);
 at::Tensor silu_and_mul(const at::Tensor& gate_up);
+bool vnni_supported();
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& excess,
+                       const at::Tensor& w_scale, int64_t out_features);
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed,
+                       const at::Tensor& scale_zero, int64_t group, int64_t out_features);
 void rotary_embedding_(at::Tensor& q, at::Tensor& k, const at::Tensor& positions,
                        const at::Tensor& cos, const at::Tensor& sin);
 

@@ -12,6 +12,11 @@ and whatever blocking the GEMM picks; the float steps around it are elementwise.
 this method row-invariant by construction, and it keeps the speed of an integer GEMM at
 every batch size (weight-only int8 kernels run one row at a time and fall behind float32
 past a few rows).
+
+On a CPU with AVX-512 VNNI the compiled kernel (``csrc/int8_linear.cpp``) does the same
+arithmetic with the weights packed for ``vpdpbusd`` and the activation split fused in:
+bitwise the same result, at memory speed for a single row, where ``torch._int_mm`` spends
+several times the weight read on a product this thin.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from llmserve.layers.quantization.base import (
     as_float,
     register_linear_method,
 )
+from llmserve.layers.quantization.vnni import LANES, PANEL, QUAD, aligned_empty, padded, vnni_ops
 
 _LEVELS = 127.0
 _RESIDUAL = 2 * _LEVELS  # the residual of rounding is within +-s/2: 254 steps of s/254
@@ -53,8 +59,37 @@ def int8_matmul(x: torch.Tensor, weight_t: torch.Tensor, w_scale: torch.Tensor) 
     return acc[m:].div_(_RESIDUAL).add_(acc[:m]).mul_(s).mul_(w_scale)
 
 
+def pack_vnni(weight_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight_t`` [K, N] int8 -> (packed [N' / 64, K / 4, 256] int8, excess [N'] int32),
+    ``N'`` = N rounded up to 64 (zero channels).
+
+    The compiled kernel's layout: panels of 64 output channels, each [K / 4][4][16][4] (16
+    output channels x 4 input channels per 64 bytes), in the order the kernel reads them.
+    ``excess[n] = 128 sum_k W[n, k]``: what the kernel's unsigned activations (x + 128) add
+    to column ``n``, taken back after the integer sum.
+    """
+    k, n = weight_t.shape
+    w = torch.zeros(padded(n), k, dtype=torch.int8)
+    w[:n] = weight_t.t()
+    panels = w.shape[0] // PANEL
+    packed = aligned_empty((panels, k // QUAD, PANEL * QUAD), torch.int8)
+    packed.view(panels, k // QUAD, PANEL // LANES, LANES, QUAD).copy_(
+        w.view(panels, PANEL // LANES, LANES, k // QUAD, QUAD).permute(0, 3, 1, 2, 4))
+    excess = w.sum(dim=1, dtype=torch.int32).mul_(128)
+    return packed, excess
+
+
+def _unpacked_view(packed: torch.Tensor) -> torch.Tensor:
+    """The packed weight as [N' / 64, 4, 16, K / 4, 4]: index it [n // 64, n % 64 // 16,
+    n % 16] for row ``n`` of W."""
+    panels, quads, _ = packed.shape
+    return packed.view(panels, quads, PANEL // LANES, LANES, QUAD).permute(0, 2, 3, 1, 4)
+
+
 @register_linear_method("int8")
 class Int8Method(LinearMethod):
+    _ops = None  # the compiled module once finalize() has packed the weights for it
+
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int) -> None:
         # Stored [K, N]: the layout torch._int_mm streams fastest.
         layer.register_buffer("qweight_t", torch.empty(in_features, out_features,
@@ -67,12 +102,42 @@ class Int8Method(LinearMethod):
         layer.qweight_t[:, rows].copy_(q.t())
         layer.w_scale[rows].copy_(scale)
 
+    def finalize(self, layer: nn.Module) -> None:
+        if layer.in_features % QUAD == 0:
+            self._ops = vnni_ops(layer.qweight_t.device)
+        if self._ops is None:
+            return
+        packed, excess = pack_vnni(layer.qweight_t)
+        layer.register_buffer("qweight_vnni", packed)
+        layer.register_buffer("vnni_excess", excess)
+        w_scale = torch.zeros(excess.shape[0])
+        w_scale[:layer.w_scale.shape[0]] = layer.w_scale
+        layer.register_buffer("w_scale", w_scale)  # padded like the packed columns
+        del layer.qweight_t
+
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return int8_matmul(x, layer.qweight_t, layer.w_scale)
+        if self._ops is not None and x.dtype == torch.float32 and x.stride(-1) == 1:
+            return self._ops.int8_linear(x, layer.qweight_vnni, layer.vnni_excess,
+                                         layer.w_scale, layer.out_features)
+        return int8_matmul(x, self._weight_t(layer), layer.w_scale[:layer.out_features])
 
     def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         # Row-major [T, K]: a transposed result would make later reductions over K depend
         # on T, and so on the batch.
-        rows = layer.qweight_t.index_select(1, ids).t().to(
-            torch.float32, memory_format=torch.contiguous_format)
+        if hasattr(layer, "qweight_vnni"):
+            w = _unpacked_view(layer.qweight_vnni)
+            rows = w[ids // PANEL, ids % PANEL // LANES, ids % LANES].reshape(
+                ids.shape[0], -1).float()
+        else:
+            rows = layer.qweight_t.index_select(1, ids).t().to(
+                torch.float32, memory_format=torch.contiguous_format)
         return rows.mul_(layer.w_scale.index_select(0, ids).unsqueeze(1))
+
+    @staticmethod
+    def _weight_t(layer: nn.Module) -> torch.Tensor:
+        """The [K, N] int8 weight (unpacked again when the layer holds only the packed
+        copy: a float32 input the kernel does not take)."""
+        if hasattr(layer, "qweight_t"):
+            return layer.qweight_t
+        w = _unpacked_view(layer.qweight_vnni)
+        return w.reshape(-1, w.shape[-2] * QUAD)[:layer.out_features].t()

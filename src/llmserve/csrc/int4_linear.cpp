@@ -1,0 +1,198 @@
+// int4 linear layers with AVX-512 VNNI, for weights w[n, k] = scale[n, g] q[n, k] + zero[n, g]
+// (q in 0..15, groups g of 32, 64 or 128 input channels: GGUF's Q4_1 and its kin).
+//
+// Activations are split per row into two int8 levels as for int8 layers, x = s (x1 + x2 /
+// 254), and each group's integer dot products A1 = sum q x1, A2 = sum q x2 come from
+// vpdpbusd (the weights are the unsigned operand: no offset to correct). Per group:
+//   acc += scale * (254 A1 + A2) + zero * (254 X1 + X2)      (X = sum of the codes)
+// in that order, then y = acc * s / 254. The integer parts are exact; the float steps run in
+// a fixed order per output, so a row's result does not depend on the rest of the batch.
+//
+// Packing, per panel of 64 output channels, in reading order:
+//   weights [in / 4][2][64] bytes: byte i of half h holds channel-block 2h's (low nibble) and
+//           2h+1's (high nibble) value for column i / 4, input channel 4 j + i % 4;
+//   scales and zeros [groups][2][64] float16 (the precision of GGUF's own block scales).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "ops.h"
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define LLMSERVE_HAS_VNNI 1
+#else
+#define LLMSERVE_HAS_VNNI 0
+#endif
+
+namespace llmserve {
+
+#if LLMSERVE_HAS_VNNI
+
+namespace {
+
+constexpr int kBlock = 16;       // output channels per vector
+constexpr int kPanel = 4;        // channel blocks per tile: 64 channels
+constexpr int kMaxTileRows = 2;  // activation rows per tile (4 integer rows, 16 sums)
+constexpr int kPrefetch = 2048;
+constexpr float kLevels = 127.f;
+constexpr float kResidual = 254.f;
+
+// Row x as codes x1 at q[0..k) and x2 at q[k..2k), and per group 254 X1 + X2.
+void quantize_row(const float* x, int64_t k, int64_t group, int8_t* q, float* group_sums,
+                  float* scale) {
+  float amax = 0.f;
+  for (int64_t i = 0; i < k; ++i) amax = std::max(amax, std::fabs(x[i]));
+  const float s = std::max(amax, std::numeric_limits<float>::min()) / kLevels;
+  for (int64_t g = 0; g < k / group; ++g) {
+    int32_t sum = 0;
+    for (int64_t i = g * group; i < (g + 1) * group; ++i) {
+      const float x1 = std::clamp(std::nearbyint(x[i] / s), -kLevels, kLevels);
+      const float x2 =
+          std::clamp(std::nearbyint(((x[i] - x1 * s) * kResidual) / s), -kLevels, kLevels);
+      q[i] = static_cast<int8_t>(x1);
+      q[k + i] = static_cast<int8_t>(x2);
+      sum += 254 * static_cast<int32_t>(x1) + static_cast<int32_t>(x2);
+    }
+    group_sums[g] = static_cast<float>(sum);
+  }
+  *scale = s;
+}
+
+template <int T>
+void tile(const int8_t* q, const float* group_sums, const float* scales, int64_t k,
+          int64_t group, const uint8_t* weights, const uint16_t* scale_zero, float* y,
+          int64_t y_stride, int64_t cols) {
+  const int64_t groups = k / group, quads_per_group = group / 4;
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  __m512 out[T][kPanel];
+#pragma GCC unroll 4
+  for (int t = 0; t < T; ++t)
+#pragma GCC unroll 4
+    for (int c = 0; c < kPanel; ++c) out[t][c] = _mm512_setzero_ps();
+
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i acc[2 * T][kPanel];
+#pragma GCC unroll 4
+    for (int r = 0; r < 2 * T; ++r)
+#pragma GCC unroll 4
+      for (int c = 0; c < kPanel; ++c) acc[r][c] = _mm512_setzero_si512();
+    for (int64_t jj = 0; jj < quads_per_group; ++jj) {
+      const int64_t j = g * quads_per_group + jj;
+      const uint8_t* wj = weights + j * 128;
+      _mm_prefetch(reinterpret_cast<const char*>(wj) + kPrefetch, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(wj) + kPrefetch + 64, _MM_HINT_T0);
+      const __m512i v0 = _mm512_load_si512(wj), v1 = _mm512_load_si512(wj + 64);
+      const __m512i w[kPanel] = {
+          _mm512_and_si512(v0, low), _mm512_and_si512(_mm512_srli_epi16(v0, 4), low),
+          _mm512_and_si512(v1, low), _mm512_and_si512(_mm512_srli_epi16(v1, 4), low)};
+#pragma GCC unroll 4
+      for (int r = 0; r < 2 * T; ++r) {
+        int32_t four;
+        std::memcpy(&four, q + r * k + 4 * j, 4);
+        const __m512i a = _mm512_set1_epi32(four);
+#pragma GCC unroll 4
+        for (int c = 0; c < kPanel; ++c) acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], w[c], a);
+      }
+    }
+    const uint16_t* sz = scale_zero + g * 2 * kPanel * kBlock;
+#pragma GCC unroll 4
+    for (int c = 0; c < kPanel; ++c) {
+      const __m512 scale = _mm512_cvtph_ps(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sz + c * kBlock)));
+      const __m512 zero = _mm512_cvtph_ps(_mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(sz + (kPanel + c) * kBlock)));
+#pragma GCC unroll 4
+      for (int t = 0; t < T; ++t) {
+        const __m512i a1 = acc[2 * t][c];
+        const __m512i a = _mm512_add_epi32(
+            _mm512_sub_epi32(_mm512_slli_epi32(a1, 8), _mm512_slli_epi32(a1, 1)),
+            acc[2 * t + 1][c]);  // 254 A1 + A2, exact
+        out[t][c] = _mm512_add_ps(out[t][c], _mm512_mul_ps(scale, _mm512_cvtepi32_ps(a)));
+        out[t][c] = _mm512_add_ps(
+            out[t][c], _mm512_mul_ps(zero, _mm512_set1_ps(group_sums[t * groups + g])));
+      }
+    }
+  }
+
+  alignas(64) float rows[T][kPanel * kBlock];
+#pragma GCC unroll 4
+  for (int t = 0; t < T; ++t) {
+    const __m512 s = _mm512_set1_ps(scales[t] / kResidual);
+#pragma GCC unroll 4
+    for (int c = 0; c < kPanel; ++c)
+      _mm512_store_ps(rows[t] + c * kBlock, _mm512_mul_ps(out[t][c], s));
+  }
+  for (int t = 0; t < T; ++t) std::memcpy(y + t * y_stride, rows[t], cols * sizeof(float));
+}
+
+using TileFn = void (*)(const int8_t*, const float*, const float*, int64_t, int64_t,
+                        const uint8_t*, const uint16_t*, float*, int64_t, int64_t);
+constexpr TileFn kTiles[kMaxTileRows + 1] = {nullptr, tile<1>, tile<2>};
+
+}  // namespace
+
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed,
+                       const at::Tensor& scale_zero, int64_t group, int64_t n) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
+              "x must be a float32 [rows, in] tensor with contiguous rows");
+  const int64_t m = x.size(0), k = x.size(1);
+  TORCH_CHECK(group % 32 == 0 && k % group == 0, "in (", k,
+              ") must be a multiple of the group size (", group, "), itself one of 32");
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte &&
+              packed.size(1) * 4 == k && packed.size(2) == 128 && packed.is_contiguous() &&
+              reinterpret_cast<uintptr_t>(packed.data_ptr()) % 64 == 0,
+              "packed must be 64-byte aligned uint8 [out_padded / 64, in / 4, 128] for in = ",
+              k);
+  const int64_t panels = packed.size(0), groups = k / group;
+  TORCH_CHECK(panels * kPanel * kBlock >= n && n > (panels - 1) * kPanel * kBlock,
+              "packed holds ", panels * kPanel * kBlock, " output channels, not ", n,
+              " padded to a multiple of 64");
+  TORCH_CHECK(scale_zero.scalar_type() == at::kHalf && scale_zero.is_contiguous() &&
+              scale_zero.numel() == panels * groups * 2 * kPanel * kBlock,
+              "scale_zero must be float16 [out_padded / 64, groups, 2, 64]");
+  auto y = at::empty({m, n}, x.options());
+  if (m == 0) return y;
+
+  std::vector<int8_t> q(2 * m * k);
+  std::vector<float> sums(m * groups), scales(m);
+  const float* xp = x.data_ptr<float>();
+  at::parallel_for(0, m, 8, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r)
+      quantize_row(xp + r * x.stride(0), k, group, q.data() + 2 * r * k,
+                   sums.data() + r * groups, scales.data() + r);
+  });
+
+  const int64_t tiles = (m + kMaxTileRows - 1) / kMaxTileRows;
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const auto* szp = reinterpret_cast<const uint16_t*>(scale_zero.data_ptr<at::Half>());
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, panels * tiles, 1, [&](int64_t b, int64_t e) {
+    for (int64_t item = b; item < e; ++item) {
+      const int64_t p = item / tiles, t0 = (item % tiles) * kMaxTileRows;
+      const int64_t rows = std::min<int64_t>(kMaxTileRows, m - t0);
+      const int64_t n0 = p * kPanel * kBlock;
+      kTiles[rows](q.data() + 2 * t0 * k, sums.data() + t0 * groups, scales.data() + t0, k,
+                   group, wp + p * k * 32, szp + p * groups * 2 * kPanel * kBlock,
+                   yp + t0 * n + n0, n, std::min<int64_t>(kPanel * kBlock, n - n0));
+    }
+  });
+  return y;
+}
+
+#else  // no VNNI: vnni_supported() is false and int4 layers use PyTorch's kernel
+
+at::Tensor int4_linear(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
+                       int64_t) {
+  TORCH_CHECK(false, "int4_linear needs AVX-512 VNNI");
+}
+
+#endif
+
+}  // namespace llmserve

@@ -1,0 +1,183 @@
+// int8 linear layers with AVX-512 VNNI: the weights packed so that one 64-byte load holds
+// 4 input channels of 16 output channels, the exact layout vpdpbusd multiplies (u8 x s8,
+// four products summed into each int32 lane), in the order the kernel reads them: panels of
+// 64 output channels, each [in / 4][4 blocks of 16 channels][16][4], so that the whole
+// weight streams from memory as one sequential read.
+//
+// The arithmetic is the one of llmserve.layers.quantization.int8.int8_matmul, step for
+// step: each activation row is split into two int8 levels (x1 = round(x / s), x2 =
+// round((x - s x1) 254 / s)), both multiplied by the weights in exact int32 arithmetic, and
+// y = ((acc2 / 254 + acc1) s) w_scale. Integer sums do not depend on their order, so the
+// result is bitwise the one of the torch._int_mm path, for any batch and any blocking.
+//
+// vpdpbusd takes one unsigned operand: the activations go in as x + 128 (1..255) and the
+// excess, 128 * sum_k w[n, k], is subtracted from each column's sum.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "ops.h"
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define LLMSERVE_HAS_VNNI 1
+#else
+#define LLMSERVE_HAS_VNNI 0
+#endif
+
+namespace llmserve {
+
+bool vnni_supported() { return LLMSERVE_HAS_VNNI; }
+
+#if LLMSERVE_HAS_VNNI
+
+namespace {
+
+constexpr int kBlock = 16;          // output columns per vector: int32 lanes
+constexpr int kPanel = 4;           // column blocks per tile: 64 columns
+constexpr int kMaxTileRows = 3;     // activation rows per tile (6 integer rows, 24 sums)
+constexpr int kPrefetch = 2048;     // bytes ahead of the weight stream
+constexpr float kLevels = 127.f;
+constexpr float kResidual = 254.f;
+
+// Row r of x as 2 rows of biased codes (x1 + 128, x2 + 128) at q[0..K) and q[K..2K).
+void quantize_row(const float* x, int64_t k, uint8_t* q, float* scale) {
+  float amax = 0.f;
+  for (int64_t i = 0; i < k; ++i) amax = std::max(amax, std::fabs(x[i]));
+  const float s = std::max(amax, std::numeric_limits<float>::min()) / kLevels;
+  for (int64_t i = 0; i < k; ++i) {
+    const float x1 = std::nearbyint(x[i] / s);
+    const float x2 = std::nearbyint(((x[i] - x1 * s) * kResidual) / s);
+    q[i] = static_cast<uint8_t>(static_cast<int>(std::clamp(x1, -kLevels, kLevels)) + 128);
+    q[k + i] = static_cast<uint8_t>(static_cast<int>(std::clamp(x2, -kLevels, kLevels)) + 128);
+  }
+  *scale = s;
+}
+
+// T activation rows (2T integer rows) times one panel of 64 output columns, then the
+// float epilogue into y[row, n0 .. n0 + cols).
+template <int T>
+void tile(const uint8_t* q, const float* scales, int64_t k, const int8_t* panel,
+          const int32_t* excess, const float* w_scale, float* y, int64_t y_stride,
+          int64_t cols) {
+  // Every loop over registers is unrolled at compile time: indexed by a runtime value, GCC
+  // would keep the accumulators on the stack.
+  __m512i acc[2 * T][kPanel];
+#pragma GCC unroll 8
+  for (int r = 0; r < 2 * T; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < kPanel; ++c) acc[r][c] = _mm512_setzero_si512();
+  const int64_t quads = k / 4;
+  for (int64_t j = 0; j < quads; ++j) {
+    const int8_t* wj = panel + j * kPanel * 64;
+#pragma GCC unroll 4
+    for (int c = 0; c < kPanel; ++c)
+      _mm_prefetch(reinterpret_cast<const char*>(wj) + kPrefetch + 64 * c, _MM_HINT_T0);
+    __m512i w[kPanel];
+#pragma GCC unroll 4
+    for (int c = 0; c < kPanel; ++c) w[c] = _mm512_load_si512(wj + c * 64);
+#pragma GCC unroll 8
+    for (int r = 0; r < 2 * T; ++r) {
+      int32_t four;
+      std::memcpy(&four, q + r * k + 4 * j, 4);
+      const __m512i a = _mm512_set1_epi32(four);
+#pragma GCC unroll 4
+      for (int c = 0; c < kPanel; ++c) acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], a, w[c]);
+    }
+  }
+  alignas(64) int32_t sums[2 * T][kPanel * kBlock];
+#pragma GCC unroll 8
+  for (int r = 0; r < 2 * T; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < kPanel; ++c) _mm512_store_si512(sums[r] + c * kBlock, acc[r][c]);
+
+  const __m512 residual = _mm512_set1_ps(kResidual);
+  for (int t = 0; t < T; ++t) {
+    const __m512 s = _mm512_set1_ps(scales[t]);
+    for (int64_t c0 = 0; c0 < cols; c0 += kBlock) {
+      const __m512i ex = _mm512_loadu_si512(excess + c0);
+      const __m512 a1 = _mm512_cvtepi32_ps(
+          _mm512_sub_epi32(_mm512_load_si512(sums[2 * t] + c0), ex));
+      const __m512 a2 = _mm512_cvtepi32_ps(
+          _mm512_sub_epi32(_mm512_load_si512(sums[2 * t + 1] + c0), ex));
+      __m512 v = _mm512_add_ps(_mm512_div_ps(a2, residual), a1);
+      v = _mm512_mul_ps(_mm512_mul_ps(v, s), _mm512_loadu_ps(w_scale + c0));
+      const int64_t n = cols - c0;
+      const __mmask16 mask = n >= kBlock ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
+      _mm512_mask_storeu_ps(y + t * y_stride + c0, mask, v);
+    }
+  }
+}
+
+using TileFn = void (*)(const uint8_t*, const float*, int64_t, const int8_t*,
+                        const int32_t*, const float*, float*, int64_t, int64_t);
+constexpr TileFn kTiles[kMaxTileRows + 1] = {nullptr, tile<1>, tile<2>, tile<3>};
+
+}  // namespace
+
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& excess,
+                       const at::Tensor& w_scale, int64_t n) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
+              "x must be a float32 [rows, in] tensor with contiguous rows");
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kChar &&
+              packed.size(2) == kPanel * 64 && packed.is_contiguous() &&
+              reinterpret_cast<uintptr_t>(packed.data_ptr()) % 64 == 0,
+              "packed must be 64-byte aligned int8 [out_padded / 64, in / 4, 256]");
+  const int64_t m = x.size(0), k = x.size(1);
+  const int64_t panels = packed.size(0), quads = packed.size(1);
+  const int64_t padded = panels * kPanel * kBlock;
+  TORCH_CHECK(quads * 4 == k, "x has ", k, " input channels, the weight ", quads * 4);
+  TORCH_CHECK(panels * kPanel * kBlock >= n && n > (panels - 1) * kPanel * kBlock,
+              "packed holds ", panels * kPanel * kBlock, " output channels, not ", n,
+              " padded to a multiple of 64");
+  TORCH_CHECK(excess.numel() == padded && excess.scalar_type() == at::kInt &&
+              excess.is_contiguous() && w_scale.numel() == padded &&
+              w_scale.scalar_type() == at::kFloat && w_scale.is_contiguous(),
+              "excess (int32) and w_scale (float32) must be [out_padded]");
+  auto y = at::empty({m, n}, x.options());
+  if (m == 0) return y;
+
+  std::vector<uint8_t> q(2 * m * k);
+  std::vector<float> scales(m);
+  const float* xp = x.data_ptr<float>();
+  at::parallel_for(0, m, 8, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r)
+      quantize_row(xp + r * x.stride(0), k, q.data() + 2 * r * k, scales.data() + r);
+  });
+
+  // Work items: (panel, tile of rows), panel-major so that a thread runs the row tiles of
+  // one panel back to back while its 64 columns of weights sit in cache.
+  const int64_t tiles = (m + kMaxTileRows - 1) / kMaxTileRows;
+  const int8_t* wp = packed.data_ptr<int8_t>();
+  const int32_t* ep = excess.data_ptr<int32_t>();
+  float* yp = y.data_ptr<float>();
+  const float* ws = w_scale.data_ptr<float>();
+  at::parallel_for(0, panels * tiles, 1, [&](int64_t b, int64_t e) {
+    for (int64_t item = b; item < e; ++item) {
+      const int64_t p = item / tiles, t0 = (item % tiles) * kMaxTileRows;
+      const int64_t rows = std::min<int64_t>(kMaxTileRows, m - t0);
+      const int64_t n0 = p * kPanel * kBlock;
+      kTiles[rows](q.data() + 2 * t0 * k, scales.data() + t0, k,
+                   wp + p * quads * kPanel * 64, ep + n0, ws + n0,
+                   yp + t0 * n + n0, n, std::min<int64_t>(kPanel * kBlock, n - n0));
+    }
+  });
+  return y;
+}
+
+#else  // no VNNI: vnni_supported() is false and callers use torch._int_mm
+
+at::Tensor int8_linear(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                       const at::Tensor&, int64_t) {
+  TORCH_CHECK(false, "int8_linear needs AVX-512 VNNI");
+}
+
+#endif
+
+}  // namespace llmserve

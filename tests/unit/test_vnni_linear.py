@@ -1,0 +1,111 @@
+"""The compiled VNNI kernels against plain PyTorch implementations of their arithmetic.
+
+int8: the kernel and the torch._int_mm path compute the same two-level activation split and
+the same float epilogue around exact integer sums; int4: ``int4_reference`` spells out the
+kernel's steps with torch ops. Either way the results must be bitwise equal: any difference
+is a bug (a packing slip, a lost tail channel, a wrong offset correction), not rounding.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmserve.csrc import cpu_ops
+from llmserve.layers.linear import Linear
+from llmserve.layers.quantization import WeightFormat
+from llmserve.layers.quantization.int4 import int4_reference, quantize_groups
+from llmserve.layers.quantization.int4 import pack_vnni as pack_int4
+from llmserve.layers.quantization.int8 import int8_matmul, pack_vnni, quantize_rows
+
+ops = cpu_ops()
+pytestmark = pytest.mark.skipif(
+    ops is None or not ops.has_vnni,
+    reason="compiled kernels unavailable or no AVX-512 VNNI on this CPU")
+
+
+def _activations(m: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    x = torch.randn(m, k, generator=gen) * 3
+    if m > 1:
+        x[:, k // 2] = 60.0  # an outlier channel
+        x[m // 2] = 0.0  # an all-zero row: the scale floor
+    return x
+
+
+# (out, in): 36, 0 and 1 output channels past the last full 64-wide tile; SmolLM2 shapes.
+SHAPES = [(100, 64), (64, 4), (129, 12), (960, 576), (576, 1536)]
+
+
+@pytest.mark.parametrize(("n", "k"), SHAPES)
+def test_int8_kernel_equals_int_mm_bitwise(n: int, k: int):
+    gen = torch.Generator().manual_seed(n * k)
+    q, w_scale = quantize_rows(torch.randn(n, k, generator=gen))
+    weight_t = q.t().contiguous()
+    packed, excess = pack_vnni(weight_t)
+    padded_scale = torch.zeros(excess.shape[0])
+    padded_scale[:n] = w_scale
+    for m in (0, 1, 2, 3, 4, 7, 64):
+        x = _activations(m, k, gen)
+        got = ops.int8_linear(x, packed, excess, padded_scale, n)
+        assert torch.equal(got, int8_matmul(x, weight_t, w_scale)), f"{m} rows"
+    # A strided input (rows of a wider tensor) reads the same values.
+    wide = _activations(9, k + 8, gen)
+    assert torch.equal(ops.int8_linear(wide[:, :k], packed, excess, padded_scale, n),
+                       int8_matmul(wide[:, :k].contiguous(), weight_t, w_scale))
+
+
+def test_int8_packed_layer_keeps_embedding_and_fallback():
+    """A layer holding only the packed weight still embeds rows and runs inputs the kernel
+    does not take, with the values of the unpacked weight."""
+    gen = torch.Generator().manual_seed(1)
+    weight = torch.randn(200, 64, generator=gen)
+    layer = Linear(64, 200, fmt=WeightFormat("int8"))
+    layer.load_shard("weight", weight)
+    q, w_scale = quantize_rows(weight)
+    layer.finalize()
+    assert hasattr(layer, "qweight_vnni") and not hasattr(layer, "qweight_t")
+    ids = torch.tensor([0, 15, 16, 63, 64, 199, 5])
+    assert torch.equal(layer.quant_method.embedding(layer, ids),
+                       q[ids].float() * w_scale[ids].unsqueeze(1))
+    assert torch.equal(layer.quant_method._weight_t(layer), q.t())
+    x = _activations(5, 64, gen)
+    assert torch.equal(layer(x), int8_matmul(x, q.t().contiguous(), w_scale))
+
+
+def test_int8_kernel_rejects_mismatched_shapes():
+    q, _ = quantize_rows(torch.randn(64, 32))
+    packed, excess = pack_vnni(q.t().contiguous())
+    with pytest.raises(RuntimeError, match="input channels"):
+        ops.int8_linear(torch.randn(2, 36), packed, excess, torch.ones(64), 64)
+    with pytest.raises(RuntimeError, match="output channels"):
+        ops.int8_linear(torch.randn(2, 32), packed, excess, torch.ones(64), 65)
+
+
+# (out, in, group)
+INT4_SHAPES = [(100, 64, 32), (130, 256, 64), (64, 128, 128), (960, 576, 32), (576, 1536, 128)]
+
+
+@pytest.mark.parametrize(("n", "k", "group"), INT4_SHAPES)
+def test_int4_kernel_equals_reference_bitwise(n: int, k: int, group: int):
+    gen = torch.Generator().manual_seed(n + k + group)
+    b = quantize_groups(torch.randn(n, k, generator=gen) * 0.05, group)
+    scale, zero = b.scale.half(), b.zero.half()
+    packed, scale_zero = pack_int4(b.q, scale, zero)
+    for m in (0, 1, 2, 3, 5, 64):
+        x = _activations(m, k, gen)
+        got = ops.int4_linear(x, packed, scale_zero, group, n)
+        assert torch.equal(got, int4_reference(x, b.q, scale, zero)), f"{m} rows"
+
+
+def test_int4_layer_is_close_to_its_dequantized_weight():
+    """End to end through the layer: the product of the stored (dequantized) weight, up to
+    the activation split's 15 bits."""
+    gen = torch.Generator().manual_seed(2)
+    weight = torch.randn(192, 256, generator=gen) * 0.05
+    layer = Linear(256, 192, fmt=WeightFormat("int4", group_size=64))
+    layer.load_shard("weight", weight)
+    layer.finalize()
+    assert hasattr(layer, "qweight_vnni")
+    x = _activations(7, 256, gen)
+    ref = x @ quantize_groups(weight, 64).dequantize().t()
+    assert ((layer(x) - ref).abs().max() / ref.abs().max()).item() < 1e-3
