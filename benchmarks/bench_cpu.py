@@ -133,13 +133,13 @@ def main() -> None:
     bandwidth = read_bandwidth_gbs(5)
     report["read_bandwidth_gbs"] = bandwidth
     print(f"read bandwidth {bandwidth:.1f} GB/s, {threads} threads", flush=True)
+    if args.llama_cpp:  # first: a run cut short still has its baseline
+        report["llama_cpp"] = llama_cpp(resolve_model_path(args.model), args.repeats)
+        print("llama.cpp", json.dumps(report["llama_cpp"]), flush=True)
     for name in args.formats.split(","):
         r = measure_format(args.model, name, batches, bandwidth, args.repeats)
         report["formats"][name] = r
         print(name, json.dumps(r), flush=True)
-    if args.llama_cpp:
-        report["llama_cpp"] = llama_cpp(resolve_model_path(args.model), args.repeats)
-        print("llama.cpp", json.dumps(report["llama_cpp"]), flush=True)
     print(tables(report))
     if args.output:
         args.output.write_text(json.dumps(report, indent=1))
