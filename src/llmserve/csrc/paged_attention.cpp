@@ -102,17 +102,59 @@ inline void block_scores(const T* kt, int64_t ld, int64_t head_dim, const float*
   for (int64_t u = 0; u < n; ++u) vstore(dst + u * stride, acc[u] * ks);
 }
 
-// a[0 : 16 C] += sum_j w[j] (* vs[j]) v[j], over j = 0..keys in order, accumulating in
-// registers. v: [block_size, 16 C] values of one head.
-template <int C, typename T>
-inline void weighted_sum(const T* v, const float* w, const float* vs, int64_t keys, float* a) {
-  vfloat acc[C];
-  for (int c = 0; c < C; ++c) acc[c] = vload(a + c * kLanes);
+// a_u[0 : 16 C] += sum_j w_u[j] (* vs[j]) v[j], over j = 0..keys in order, for U query
+// vectors at once (each value vector loaded once for all of them), accumulating in
+// registers. v: [block_size, 16 C] values of one head. A vector's own arithmetic is the same
+// for any U.
+template <int C, int U, typename T>
+inline void weighted_sum(const T* v, const float* const* w, const float* vs, int64_t keys,
+                         float* const* a) {
+  vfloat acc[U][C];
+#pragma GCC unroll 4
+  for (int u = 0; u < U; ++u)
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) acc[u][c] = vload(a[u] + c * kLanes);
+  for (int64_t j = 0; j < keys; ++j) {
+    vfloat vj[C];
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) vj[c] = load16(v + j * C * kLanes + c * kLanes);
+#pragma GCC unroll 4
+    for (int u = 0; u < U; ++u) {
+      const float wj = vs ? w[u][j] * vs[j] : w[u][j];
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) acc[u][c] += wj * vj[c];
+    }
+  }
+#pragma GCC unroll 4
+  for (int u = 0; u < U; ++u)
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) vstore(a[u] + c * kLanes, acc[u][c]);
+}
+
+// The same for any head_dim (a multiple of 16), one query vector at a time.
+template <typename T>
+inline void weighted_sum_any(const T* v, const float* w, const float* vs, int64_t keys,
+                             int64_t head_dim, float* a) {
   for (int64_t j = 0; j < keys; ++j) {
     const float wj = vs ? w[j] * vs[j] : w[j];
-    for (int c = 0; c < C; ++c) acc[c] += wj * load16(v + j * C * kLanes + c * kLanes);
+    for (int64_t d = 0; d < head_dim; d += kLanes)
+      vstore(a + d, vload(a + d) + wj * load16(v + j * head_dim + d));
   }
-  for (int c = 0; c < C; ++c) vstore(a + c * kLanes, acc[c]);
+}
+
+// Query vectors [i, i + n) of one row (same keys), n <= 4, through weighted_sum.
+template <int C, typename T>
+inline void weighted_sum_row(const T* v, const float* const* w, const float* vs, int64_t keys,
+                             float* const* a, int64_t n) {
+  constexpr int kMax = C <= 4 ? 4 : 2;
+  for (int64_t i = 0; i < n; i += kMax) {
+    switch (std::min<int64_t>(kMax, n - i)) {
+      case 1: weighted_sum<C, 1>(v, w + i, vs, keys, a + i); break;
+      case 2: weighted_sum<C, 2>(v, w + i, vs, keys, a + i); break;
+      case 3: weighted_sum<C, kMax == 4 ? 3 : 1>(v, w + i, vs, keys, a + i); break;
+      default: weighted_sum<C, kMax>(v, w + i, vs, keys, a + i); break;
+    }
+  }
 }
 
 template <typename T>
@@ -164,7 +206,7 @@ void attend(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& 
         max_len = std::max(max_len, len[r]);
       }
       TORCH_CHECK(max_len <= max_blocks * block_size, "position past the block table");
-      TORCH_CHECK(rows * group <= kTile * 64, "too many query heads per KV head");
+      TORCH_CHECK(group <= 64, "more than 64 query heads per KV head");
       int64_t qlen[kTile * 64];  // keys visible to each query vector
       for (int64_t i = 0; i < rows * group; ++i) qlen[i] = len[i / group];
       const int64_t num_blocks = (max_len + block_size - 1) / block_size;
@@ -192,17 +234,29 @@ void attend(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& 
           }
         }
       }
-      // 2. Softmax numerators (lanes past a row's length are scratch); sums in key order.
+      // 2. Softmax numerators (lanes past a row's length are scratch); the max is exact in
+      //    any order, the sum runs lane-wise over whole vectors, then the tail in order: a
+      //    fixed order for a given row length.
       float inv_sum[kTile * 64];
       for (int64_t i = 0; i < nq; ++i) {
         float* sc = scores.data() + i * stride;
-        const int64_t n = qlen[i];
+        const int64_t n = qlen[i], body = n - n % kLanes;
         float m = sc[0];
-        for (int64_t j = 1; j < n; ++j) m = std::max(m, sc[j]);
-        const vfloat mv = vsplat(m);
-        for (int64_t j = 0; j < n; j += kLanes) vstore(sc + j, vexp(vload(sc + j) - mv));
-        float sum = 0.f;
-        for (int64_t j = 0; j < n; ++j) sum += sc[j];
+        if (body > 0) {
+          vfloat mv = vload(sc);
+          for (int64_t j = kLanes; j < body; j += kLanes) {
+            const vfloat x = vload(sc + j);
+            mv = x > mv ? x : mv;
+          }
+          for (int l = 0; l < kLanes; ++l) m = std::max(m, mv[l]);
+        }
+        for (int64_t j = body; j < n; ++j) m = std::max(m, sc[j]);
+        const vfloat mvec = vsplat(m);
+        for (int64_t j = 0; j < n; j += kLanes) vstore(sc + j, vexp(vload(sc + j) - mvec));
+        vfloat sv{};
+        for (int64_t j = 0; j < body; j += kLanes) sv += vload(sc + j);
+        float sum = vsum(sv);
+        for (int64_t j = body; j < n; ++j) sum += sc[j];
         inv_sum[i] = 1.f / sum;
       }
       // 3. Weighted sum of values in key order, a block at a time (its values stay in L1
@@ -213,22 +267,24 @@ void attend(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& 
         if (blk + 1 < num_blocks)
           prefetch(v_ptr + table[blk + 1] * block_elems + h * head_elems, head_elems * sizeof(T));
         const int64_t j0 = blk * block_size;
-        for (int64_t i = 0; i < nq; ++i) {
+        const float* vs = vs_ptr ? vs_ptr + at / head_dim : nullptr;
+        // The query vectors of one row share their keys: taken together, up to four.
+        for (int64_t i = 0; i < nq; i += group) {
           const int64_t keys = std::min(block_size, qlen[i] - j0);
           if (keys <= 0) continue;
-          const float* w = scores.data() + i * stride + j0;
-          const float* vs = vs_ptr ? vs_ptr + at / head_dim : nullptr;
-          float* a = acc.data() + i * head_dim;
+          const float* w[64];
+          float* a[64];
+          for (int64_t u = 0; u < group; ++u) {
+            w[u] = scores.data() + (i + u) * stride + j0;
+            a[u] = acc.data() + (i + u) * head_dim;
+          }
           if (head_dim == 64)
-            weighted_sum<4>(v_ptr + at, w, vs, keys, a);
+            weighted_sum_row<4>(v_ptr + at, w, vs, keys, a, group);
           else if (head_dim == 128)
-            weighted_sum<8>(v_ptr + at, w, vs, keys, a);
+            weighted_sum_row<8>(v_ptr + at, w, vs, keys, a, group);
           else
-            for (int64_t j = 0; j < keys; ++j) {
-              const float wj = vs ? w[j] * vs[j] : w[j];
-              for (int64_t d = 0; d < head_dim; d += kLanes)
-                vstore(a + d, vload(a + d) + wj * load16(v_ptr + at + j * head_dim + d));
-            }
+            for (int64_t u = 0; u < group; ++u)
+              weighted_sum_any(v_ptr + at, w[u], vs, keys, head_dim, a[u]);
         }
       }
       for (int64_t i = 0; i < nq; ++i) {
