@@ -17,19 +17,11 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstring>
-#include <limits>
 #include <vector>
 
 #include "ops.h"
-
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-#include <immintrin.h>
-#define LLMSERVE_HAS_VNNI 1
-#else
-#define LLMSERVE_HAS_VNNI 0
-#endif
+#include "vnni.h"
 
 namespace llmserve {
 
@@ -41,24 +33,19 @@ constexpr int kBlock = 16;       // output channels per vector
 constexpr int kPanel = 4;        // channel blocks per tile: 64 channels
 constexpr int kMaxTileRows = 2;  // activation rows per tile (4 integer rows, 16 sums)
 constexpr int kPrefetch = 2048;
-constexpr float kLevels = 127.f;
-constexpr float kResidual = 254.f;
 
 // Row x as codes x1 at q[0..k) and x2 at q[k..2k), and per group 254 X1 + X2.
 void quantize_row(const float* x, int64_t k, int64_t group, int8_t* q, float* group_sums,
                   float* scale) {
-  float amax = 0.f;
-  for (int64_t i = 0; i < k; ++i) amax = std::max(amax, std::fabs(x[i]));
-  const float s = std::max(amax, std::numeric_limits<float>::min()) / kLevels;
+  const float s = level_scale(x, k);
   for (int64_t g = 0; g < k / group; ++g) {
     int32_t sum = 0;
     for (int64_t i = g * group; i < (g + 1) * group; ++i) {
-      const float x1 = std::clamp(std::nearbyint(x[i] / s), -kLevels, kLevels);
-      const float x2 =
-          std::clamp(std::nearbyint(((x[i] - x1 * s) * kResidual) / s), -kLevels, kLevels);
+      int32_t x1, x2;
+      split_levels(x[i], s, &x1, &x2);
       q[i] = static_cast<int8_t>(x1);
       q[k + i] = static_cast<int8_t>(x2);
-      sum += 254 * static_cast<int32_t>(x1) + static_cast<int32_t>(x2);
+      sum += 254 * x1 + x2;
     }
     group_sums[g] = static_cast<float>(sum);
   }

@@ -17,19 +17,11 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstring>
-#include <limits>
 #include <vector>
 
 #include "ops.h"
-
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-#include <immintrin.h>
-#define LLMSERVE_HAS_VNNI 1
-#else
-#define LLMSERVE_HAS_VNNI 0
-#endif
+#include "vnni.h"
 
 namespace llmserve {
 
@@ -43,19 +35,14 @@ constexpr int kBlock = 16;          // output columns per vector: int32 lanes
 constexpr int kPanel = 4;           // column blocks per tile: 64 columns
 constexpr int kMaxTileRows = 3;     // activation rows per tile (6 integer rows, 24 sums)
 constexpr int kPrefetch = 2048;     // bytes ahead of the weight stream
-constexpr float kLevels = 127.f;
-constexpr float kResidual = 254.f;
-
 // Row r of x as 2 rows of biased codes (x1 + 128, x2 + 128) at q[0..K) and q[K..2K).
 void quantize_row(const float* x, int64_t k, uint8_t* q, float* scale) {
-  float amax = 0.f;
-  for (int64_t i = 0; i < k; ++i) amax = std::max(amax, std::fabs(x[i]));
-  const float s = std::max(amax, std::numeric_limits<float>::min()) / kLevels;
+  const float s = level_scale(x, k);
   for (int64_t i = 0; i < k; ++i) {
-    const float x1 = std::nearbyint(x[i] / s);
-    const float x2 = std::nearbyint(((x[i] - x1 * s) * kResidual) / s);
-    q[i] = static_cast<uint8_t>(static_cast<int>(std::clamp(x1, -kLevels, kLevels)) + 128);
-    q[k + i] = static_cast<uint8_t>(static_cast<int>(std::clamp(x2, -kLevels, kLevels)) + 128);
+    int32_t x1, x2;
+    split_levels(x[i], s, &x1, &x2);
+    q[i] = static_cast<uint8_t>(x1 + 128);
+    q[k + i] = static_cast<uint8_t>(x2 + 128);
   }
   *scale = s;
 }

@@ -29,7 +29,7 @@ from llmserve.layers.quantization.base import (
     WeightSource,
     register_linear_method,
 )
-from llmserve.layers.quantization.int8 import _LEVELS, _RESIDUAL
+from llmserve.layers.quantization.int8 import RESIDUAL, split_levels
 from llmserve.layers.quantization.vnni import LANES, PANEL, QUAD, aligned_empty, padded, vnni_ops
 
 ACT_DTYPE = torch.bfloat16
@@ -81,11 +81,8 @@ def int4_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
     m, k = x.shape
     groups = scale.shape[1]
     group = k // groups
-    s = x.abs().amax(dim=1, keepdim=True).clamp_(min=torch.finfo(torch.float32).tiny)
-    s.div_(_LEVELS)
-    x1 = torch.round(x / s).clamp_(-_LEVELS, _LEVELS)
-    x2 = torch.round((x - x1 * s).mul_(_RESIDUAL).div_(s)).clamp_(-_LEVELS, _LEVELS)
-    codes = (x1 * _RESIDUAL + x2).to(torch.int64).view(m, groups, group)  # 254 x1 + x2
+    s, x1, x2 = split_levels(x)
+    codes = (x1 * RESIDUAL + x2).to(torch.int64).view(m, groups, group)  # 254 x1 + x2
     qg = q.to(torch.int64).view(-1, groups, group)
     dots = torch.einsum("mgk,ngk->mng", codes, qg)  # exact integers
     sums = codes.sum(dim=2)  # [M, G]
@@ -94,7 +91,7 @@ def int4_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
     for g in range(groups):
         out = out + scale[:, g] * dots[:, :, g].float()
         out = out + zero[:, g] * sums[:, g:g + 1].float()
-    return out * (s / _RESIDUAL)
+    return out * (s / RESIDUAL)
 
 
 @register_linear_method("int4")

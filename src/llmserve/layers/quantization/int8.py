@@ -32,31 +32,40 @@ from llmserve.layers.quantization.base import (
 )
 from llmserve.layers.quantization.vnni import LANES, PANEL, QUAD, aligned_empty, padded, vnni_ops
 
-_LEVELS = 127.0
-_RESIDUAL = 2 * _LEVELS  # the residual of rounding is within +-s/2: 254 steps of s/254
+LEVELS = 127.0
+RESIDUAL = 2 * LEVELS  # the residual of rounding is within +-s/2: 254 steps of s/254
 
 
 def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-row int8: ``w`` [N, K] float -> (int8 [N, K], float32 scale [N])."""
-    scale = w.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / _LEVELS
-    q = torch.round(w / scale.unsqueeze(1)).clamp_(-_LEVELS, _LEVELS).to(torch.int8)
+    scale = w.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / LEVELS
+    q = torch.round(w / scale.unsqueeze(1)).clamp_(-LEVELS, LEVELS).to(torch.int8)
     return q, scale
+
+
+def split_levels(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``x`` [M, K] -> (``s`` [M, 1], ``x1``, ``x2``) with ``x ~ s (x1 + x2 / 254)``:
+    ``s = max|x| / 127``, ``x1 = round(x / s)``, ``x2 = round((x - s x1) 254 / s)``, both
+    in [-127, 127] (float tensors holding integers). The compiled kernels do the same
+    (``csrc/vnni.h``)."""
+    s = x.abs().amax(dim=1, keepdim=True).clamp_(min=torch.finfo(torch.float32).tiny)
+    s.div_(LEVELS)
+    x1 = torch.round(x / s)
+    x2 = torch.round((x - x1 * s).mul_(RESIDUAL).div_(s))
+    return s, x1.clamp_(-LEVELS, LEVELS), x2.clamp_(-LEVELS, LEVELS)
 
 
 def int8_matmul(x: torch.Tensor, weight_t: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
     """``x`` [M, K] float32 times ``weight_t`` [K, N] int8 (scales [N]) -> [M, N] float32.
 
-    1. Per row: ``s = max|x| / 127``, ``x1 = round(x / s)``, ``x2 = round((x - s x1) 254/s)``.
+    1. Per row: ``split_levels``.
     2. One integer GEMM over ``[x1; x2]``.
     3. ``y = s w_scale (acc1 + acc2 / 254)``, elementwise.
     """
     m = x.shape[0]
-    s = x.abs().amax(dim=1, keepdim=True).clamp_(min=torch.finfo(torch.float32).tiny)
-    s.div_(_LEVELS)
-    x1 = torch.round(x / s)
-    x2 = torch.round((x - x1 * s).mul_(_RESIDUAL).div_(s))
+    s, x1, x2 = split_levels(x)
     acc = torch._int_mm(torch.cat([x1, x2]).to(torch.int8), weight_t).float()  # [2M, N]
-    return acc[m:].div_(_RESIDUAL).add_(acc[:m]).mul_(s).mul_(w_scale)
+    return acc[m:].div_(RESIDUAL).add_(acc[:m]).mul_(s).mul_(w_scale)
 
 
 def pack_vnni(weight_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
