@@ -34,24 +34,6 @@ constexpr int kPanel = 4;        // channel blocks per tile: 64 channels
 constexpr int kMaxTileRows = 2;  // activation rows per tile (4 integer rows, 16 sums)
 constexpr int kPrefetch = 2048;
 
-// Row x as codes x1 at q[0..k) and x2 at q[k..2k), and per group 254 X1 + X2.
-void quantize_row(const float* x, int64_t k, int64_t group, int8_t* q, float* group_sums,
-                  float* scale) {
-  const float s = level_scale(x, k);
-  for (int64_t g = 0; g < k / group; ++g) {
-    int32_t sum = 0;
-    for (int64_t i = g * group; i < (g + 1) * group; ++i) {
-      int32_t x1, x2;
-      split_levels(x[i], s, &x1, &x2);
-      q[i] = static_cast<int8_t>(x1);
-      q[k + i] = static_cast<int8_t>(x2);
-      sum += 254 * x1 + x2;
-    }
-    group_sums[g] = static_cast<float>(sum);
-  }
-  *scale = s;
-}
-
 template <int T>
 void tile(const int8_t* q, const float* group_sums, const float* scales, int64_t k,
           int64_t group, const uint8_t* weights, const uint16_t* scale_zero, float* y,
@@ -151,9 +133,11 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed,
   std::vector<float> sums(m * groups), scales(m);
   const float* xp = x.data_ptr<float>();
   at::parallel_for(0, m, 8, [&](int64_t b, int64_t e) {
-    for (int64_t r = b; r < e; ++r)
-      quantize_row(xp + r * x.stride(0), k, group, q.data() + 2 * r * k,
-                   sums.data() + r * groups, scales.data() + r);
+    for (int64_t r = b; r < e; ++r) {
+      auto* codes = reinterpret_cast<uint8_t*>(q.data() + 2 * r * k);  // x1, then x2
+      scales[r] = split_row(xp + r * x.stride(0), k, 0, codes, codes + k, group,
+                            sums.data() + r * groups);
+    }
   });
 
   const int64_t tiles = (m + kMaxTileRows - 1) / kMaxTileRows;

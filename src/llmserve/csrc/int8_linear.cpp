@@ -7,7 +7,7 @@
 // The arithmetic is the one of llmserve.layers.quantization.int8.int8_matmul, step for
 // step: each activation row is split into two int8 levels (x1 = round(x / s), x2 =
 // round((x - s x1) 254 / s)), both multiplied by the weights in exact int32 arithmetic, and
-// y = ((acc2 / 254 + acc1) s) w_scale. Integer sums do not depend on their order, so the
+// y = ((acc2 (1 / 254) + acc1) s) w_scale. Integer sums do not depend on their order, so the
 // result is bitwise the one of the torch._int_mm path, for any batch and any blocking.
 //
 // vpdpbusd takes one unsigned operand: the activations go in as x + 128 (1..255) and the
@@ -35,24 +35,12 @@ constexpr int kBlock = 16;          // output columns per vector: int32 lanes
 constexpr int kPanel = 4;           // column blocks per tile: 64 columns
 constexpr int kMaxTileRows = 3;     // activation rows per tile (6 integer rows, 24 sums)
 constexpr int kPrefetch = 2048;     // bytes ahead of the weight stream
-// Row r of x as 2 rows of biased codes (x1 + 128, x2 + 128) at q[0..K) and q[K..2K).
-void quantize_row(const float* x, int64_t k, uint8_t* q, float* scale) {
-  const float s = level_scale(x, k);
-  for (int64_t i = 0; i < k; ++i) {
-    int32_t x1, x2;
-    split_levels(x[i], s, &x1, &x2);
-    q[i] = static_cast<uint8_t>(x1 + 128);
-    q[k + i] = static_cast<uint8_t>(x2 + 128);
-  }
-  *scale = s;
-}
-
 // T activation rows (2T integer rows) times one panel of 64 output columns, then the
 // float epilogue into y[row, n0 .. n0 + cols).
 template <int T>
 void tile(const uint8_t* q, const float* scales, int64_t k, const int8_t* panel,
           const int32_t* excess, const float* w_scale, float* y, int64_t y_stride,
-          int64_t cols) {
+          int64_t cols, bool prefetch) {
   // Every loop over registers is unrolled at compile time: indexed by a runtime value, GCC
   // would keep the accumulators on the stack.
   __m512i acc[2 * T][kPanel];
@@ -63,9 +51,11 @@ void tile(const uint8_t* q, const float* scales, int64_t k, const int8_t* panel,
   const int64_t quads = k / 4;
   for (int64_t j = 0; j < quads; ++j) {
     const int8_t* wj = panel + j * kPanel * 64;
+    if (prefetch) {  // the panel's first pass, from memory; later passes find it in cache
 #pragma GCC unroll 4
-    for (int c = 0; c < kPanel; ++c)
-      _mm_prefetch(reinterpret_cast<const char*>(wj) + kPrefetch + 64 * c, _MM_HINT_T0);
+      for (int c = 0; c < kPanel; ++c)
+        _mm_prefetch(reinterpret_cast<const char*>(wj) + kPrefetch + 64 * c, _MM_HINT_T0);
+    }
     __m512i w[kPanel];
 #pragma GCC unroll 4
     for (int c = 0; c < kPanel; ++c) w[c] = _mm512_load_si512(wj + c * 64);
@@ -78,32 +68,29 @@ void tile(const uint8_t* q, const float* scales, int64_t k, const int8_t* panel,
       for (int c = 0; c < kPanel; ++c) acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], a, w[c]);
     }
   }
-  alignas(64) int32_t sums[2 * T][kPanel * kBlock];
-#pragma GCC unroll 8
-  for (int r = 0; r < 2 * T; ++r)
+  // The epilogue straight from the registers; excess and w_scale are padded to the panel.
+  const __m512 inv_residual = _mm512_set1_ps(1.f / kResidual);
 #pragma GCC unroll 4
-    for (int c = 0; c < kPanel; ++c) _mm512_store_si512(sums[r] + c * kBlock, acc[r][c]);
-
-  const __m512 residual = _mm512_set1_ps(kResidual);
-  for (int t = 0; t < T; ++t) {
-    const __m512 s = _mm512_set1_ps(scales[t]);
-    for (int64_t c0 = 0; c0 < cols; c0 += kBlock) {
-      const __m512i ex = _mm512_loadu_si512(excess + c0);
-      const __m512 a1 = _mm512_cvtepi32_ps(
-          _mm512_sub_epi32(_mm512_load_si512(sums[2 * t] + c0), ex));
-      const __m512 a2 = _mm512_cvtepi32_ps(
-          _mm512_sub_epi32(_mm512_load_si512(sums[2 * t + 1] + c0), ex));
-      __m512 v = _mm512_add_ps(_mm512_div_ps(a2, residual), a1);
-      v = _mm512_mul_ps(_mm512_mul_ps(v, s), _mm512_loadu_ps(w_scale + c0));
-      const int64_t n = cols - c0;
-      const __mmask16 mask = n >= kBlock ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
-      _mm512_mask_storeu_ps(y + t * y_stride + c0, mask, v);
+  for (int c = 0; c < kPanel; ++c) {
+    const int64_t left = cols - c * kBlock;
+    if (left <= 0) break;
+    const __mmask16 mask =
+        left >= kBlock ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
+    const __m512i ex = _mm512_loadu_si512(excess + c * kBlock);
+    const __m512 ws = _mm512_loadu_ps(w_scale + c * kBlock);
+#pragma GCC unroll 4
+    for (int t = 0; t < T; ++t) {
+      const __m512 a1 = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[2 * t][c], ex));
+      const __m512 a2 = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[2 * t + 1][c], ex));
+      __m512 v = _mm512_add_ps(_mm512_mul_ps(a2, inv_residual), a1);
+      v = _mm512_mul_ps(_mm512_mul_ps(v, _mm512_set1_ps(scales[t])), ws);
+      _mm512_mask_storeu_ps(y + t * y_stride + c * kBlock, mask, v);
     }
   }
 }
 
 using TileFn = void (*)(const uint8_t*, const float*, int64_t, const int8_t*,
-                        const int32_t*, const float*, float*, int64_t, int64_t);
+                        const int32_t*, const float*, float*, int64_t, int64_t, bool);
 constexpr TileFn kTiles[kMaxTileRows + 1] = {nullptr, tile<1>, tile<2>, tile<3>};
 
 }  // namespace
@@ -134,8 +121,10 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   std::vector<float> scales(m);
   const float* xp = x.data_ptr<float>();
   at::parallel_for(0, m, 8, [&](int64_t b, int64_t e) {
-    for (int64_t r = b; r < e; ++r)
-      quantize_row(xp + r * x.stride(0), k, q.data() + 2 * r * k, scales.data() + r);
+    for (int64_t r = b; r < e; ++r) {
+      uint8_t* codes = q.data() + 2 * r * k;  // x1 + 128, then x2 + 128
+      scales[r] = split_row(xp + r * x.stride(0), k, 128, codes, codes + k);
+    }
   });
 
   // Work items: (panel, tile of rows), panel-major so that a thread runs the row tiles of
@@ -152,7 +141,8 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
       const int64_t n0 = p * kPanel * kBlock;
       kTiles[rows](q.data() + 2 * t0 * k, scales.data() + t0, k,
                    wp + p * quads * kPanel * 64, ep + n0, ws + n0,
-                   yp + t0 * n + n0, n, std::min<int64_t>(kPanel * kBlock, n - n0));
+                   yp + t0 * n + n0, n, std::min<int64_t>(kPanel * kBlock, n - n0),
+                   t0 == 0 || item == b);
     }
   });
   return y;

@@ -20,19 +20,54 @@ namespace llmserve {
 constexpr float kLevels = 127.f;
 constexpr float kResidual = 254.f;  // the rounding residual is within +-s/2: 254 steps of s/254
 
-// s = max|x| / 127 (floored at the smallest normal float).
-inline float level_scale(const float* x, int64_t k) {
-  float amax = 0.f;
-  for (int64_t i = 0; i < k; ++i) amax = std::max(amax, std::fabs(x[i]));
-  return std::max(amax, std::numeric_limits<float>::min()) / kLevels;
+#if LLMSERVE_HAS_VNNI
+
+// One activation row x[0..k) split into two levels, 16 lanes at a time:
+//   s = max(max|x|, smallest normal float) / 127,
+//   x1 = round(x / s), x2 = round((x - s x1) 254 / s), each clamped to [-127, 127]
+// (rounding half to even; no fused multiply-add), bitwise the arithmetic of split_levels in
+// Python. x1 + bias goes to out1[0..k), x2 + bias to out2[0..k) (bias 128 makes them
+// vpdpbusd's unsigned operand). With group_sums, the exact sum of 254 x1 + x2 over each
+// group of `group` inputs (a multiple of 16) goes to group_sums[g]. Returns s.
+inline float split_row(const float* x, int64_t k, int32_t bias, uint8_t* out1, uint8_t* out2,
+                       int64_t group = 0, float* group_sums = nullptr) {
+  auto tail = [k](int64_t i) {
+    return k - i >= 16 ? static_cast<__mmask16>(0xFFFF)
+                       : static_cast<__mmask16>((1u << (k - i)) - 1);
+  };
+  __m512 amax = _mm512_setzero_ps();
+  for (int64_t i = 0; i < k; i += 16)
+    amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_maskz_loadu_ps(tail(i), x + i)));
+  const float s =
+      std::max(_mm512_reduce_max_ps(amax), std::numeric_limits<float>::min()) / kLevels;
+
+  constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  const __m512 vs = _mm512_set1_ps(s), hi = _mm512_set1_ps(kLevels),
+               lo = _mm512_set1_ps(-kLevels), residual = _mm512_set1_ps(kResidual);
+  const __m512i vbias = _mm512_set1_epi32(bias), v254 = _mm512_set1_epi32(254);
+  __m512i sum = _mm512_setzero_si512();
+  for (int64_t i = 0; i < k; i += 16) {
+    const __mmask16 mask = tail(i);
+    const __m512 v = _mm512_maskz_loadu_ps(mask, x + i);
+    const __m512 a = _mm512_roundscale_ps(_mm512_div_ps(v, vs), kNearest);
+    const __m512 b = _mm512_roundscale_ps(
+        _mm512_div_ps(_mm512_mul_ps(_mm512_sub_ps(v, _mm512_mul_ps(a, vs)), residual), vs),
+        kNearest);
+    const __m512i x1 = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(a, lo), hi));
+    const __m512i x2 = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(b, lo), hi));
+    _mm512_mask_cvtepi32_storeu_epi8(out1 + i, mask, _mm512_add_epi32(x1, vbias));
+    _mm512_mask_cvtepi32_storeu_epi8(out2 + i, mask, _mm512_add_epi32(x2, vbias));
+    if (group_sums != nullptr) {
+      sum = _mm512_add_epi32(sum, _mm512_add_epi32(_mm512_mullo_epi32(x1, v254), x2));
+      if ((i + 16) % group == 0) {
+        group_sums[i / group] = static_cast<float>(_mm512_reduce_add_epi32(sum));
+        sum = _mm512_setzero_si512();
+      }
+    }
+  }
+  return s;
 }
 
-// x1 = round(x / s), x2 = round((x - s x1) 254 / s), each clamped to [-127, 127].
-inline void split_levels(float x, float s, int32_t* x1, int32_t* x2) {
-  const float a = std::nearbyint(x / s);
-  const float b = std::nearbyint(((x - a * s) * kResidual) / s);
-  *x1 = static_cast<int32_t>(std::clamp(a, -kLevels, kLevels));
-  *x2 = static_cast<int32_t>(std::clamp(b, -kLevels, kLevels));
-}
+#endif
 
 }  // namespace llmserve

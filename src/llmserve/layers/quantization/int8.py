@@ -60,12 +60,13 @@ def int8_matmul(x: torch.Tensor, weight_t: torch.Tensor, w_scale: torch.Tensor) 
 
     1. Per row: ``split_levels``.
     2. One integer GEMM over ``[x1; x2]``.
-    3. ``y = s w_scale (acc1 + acc2 / 254)``, elementwise.
+    3. ``y = ((acc2 (1 / 254) + acc1) s) w_scale``, elementwise in float32 (a product by
+       the reciprocal, not a division: the kernel's epilogue runs at the speed of a multiply).
     """
     m = x.shape[0]
     s, x1, x2 = split_levels(x)
     acc = torch._int_mm(torch.cat([x1, x2]).to(torch.int8), weight_t).float()  # [2M, N]
-    return acc[m:].div_(RESIDUAL).add_(acc[:m]).mul_(s).mul_(w_scale)
+    return acc[m:].mul_(1 / RESIDUAL).add_(acc[:m]).mul_(s).mul_(w_scale)
 
 
 def pack_vnni(weight_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
