@@ -19,6 +19,10 @@
 #include <cstring>
 #include <vector>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include "cpu_math.h"
 #include "ops.h"
 
@@ -26,7 +30,8 @@ namespace llmserve {
 
 namespace {
 
-constexpr int kTile = 8;  // query rows of one sequence handled together
+constexpr int kTile = 8;    // query rows of one sequence handled together
+constexpr int kAhead = 4;  // blocks prefetched ahead of the one being read
 
 typedef int8_t vi8 __attribute__((vector_size(kLanes)));
 typedef uint16_t vu16 __attribute__((vector_size(kLanes * 2)));
@@ -50,9 +55,15 @@ inline vfloat load16<c10::BFloat16>(const c10::BFloat16* p) {
 
 template <>
 inline vfloat load16<int8_t>(const int8_t* p) {
+#if defined(__AVX512F__)
+  // GCC lowers the generic conversion below lane by lane (16 scalar loads and inserts).
+  return reinterpret_cast<vfloat>(_mm512_cvtepi32_ps(
+      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
+#else
   vi8 b;
   std::memcpy(&b, p, sizeof(b));
   return __builtin_convertvector(b, vfloat);
+#endif
 }
 
 const float* fp8_table() {
@@ -69,10 +80,16 @@ const float* fp8_table() {
 template <>
 inline vfloat load16<c10::Float8_e4m3fn>(const c10::Float8_e4m3fn* p) {
   static const float* table = fp8_table();
+#if defined(__AVX512F__)
+  const __m512i codes =
+      _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return reinterpret_cast<vfloat>(_mm512_i32gather_ps(codes, table, 4));
+#else
   const uint8_t* b = reinterpret_cast<const uint8_t*>(p);
   float f[kLanes];
   for (int i = 0; i < kLanes; ++i) f[i] = table[b[i]];
   return vload(f);
+#endif
 }
 
 inline void prefetch(const void* p, int64_t bytes) {
@@ -82,24 +99,34 @@ inline void prefetch(const void* p, int64_t bytes) {
 
 constexpr int kScoreRows = 4;  // query vectors scored together (one accumulator each)
 
-// dst[u * stride + lane] = (sum_d q_u[d] kt[d * ld + lane]) * ks, over d in order, for the
-// n <= kScoreRows query vectors q_u: one load of each key vector feeds every accumulator.
-template <typename T>
-inline void block_scores(const T* kt, int64_t ld, int64_t head_dim, const float* const* q,
-                         int64_t n, vfloat ks, float* dst, int64_t stride) {
-  vfloat acc[kScoreRows] = {};
+// dst[b][u * stride + lane] = (sum_d q_u[d] kt[b][d * ld + lane]) * ks[b], over d in order
+// (fused multiply-adds), for the n <= kScoreRows query vectors q_u and NB key tiles kt[b]:
+// one load of each key vector feeds every query's accumulator, and the NB * 4 independent
+// accumulators keep both FMA pipes busy. A lane's arithmetic is the same for any NB.
+template <int NB, typename T>
+inline void block_scores(const T* const* kt, int64_t ld, int64_t head_dim,
+                         const float* const* q, int64_t n, const vfloat* ks,
+                         float* const* dst, int64_t stride) {
+  vfloat acc[NB][kScoreRows] = {};
   const float* q0 = q[0];
   const float* q1 = q[n > 1 ? 1 : 0];
   const float* q2 = q[n > 2 ? 2 : 0];
   const float* q3 = q[n > 3 ? 3 : 0];
   for (int64_t d = 0; d < head_dim; ++d) {
-    const vfloat k = load16(kt + d * ld);
-    acc[0] += q0[d] * k;
-    acc[1] += q1[d] * k;
-    acc[2] += q2[d] * k;
-    acc[3] += q3[d] * k;
+    const vfloat s0 = vsplat(q0[d]), s1 = vsplat(q1[d]), s2 = vsplat(q2[d]),
+                 s3 = vsplat(q3[d]);
+#pragma GCC unroll 4
+    for (int b = 0; b < NB; ++b) {
+      const vfloat k = load16(kt[b] + d * ld);
+      acc[b][0] = vfma(s0, k, acc[b][0]);
+      acc[b][1] = vfma(s1, k, acc[b][1]);
+      acc[b][2] = vfma(s2, k, acc[b][2]);
+      acc[b][3] = vfma(s3, k, acc[b][3]);
+    }
   }
-  for (int64_t u = 0; u < n; ++u) vstore(dst + u * stride, acc[u] * ks);
+#pragma GCC unroll 4
+  for (int b = 0; b < NB; ++b)
+    for (int64_t u = 0; u < n; ++u) vstore(dst[b] + u * stride, acc[b][u] * ks[b]);
 }
 
 // a_u[0 : 16 C] += sum_j w_u[j] (* vs[j]) v[j], over j = 0..keys in order, for U query
@@ -122,7 +149,7 @@ inline void weighted_sum(const T* v, const float* const* w, const float* vs, int
     for (int u = 0; u < U; ++u) {
       const float wj = vs ? w[u][j] * vs[j] : w[u][j];
 #pragma GCC unroll 8
-      for (int c = 0; c < C; ++c) acc[u][c] += wj * vj[c];
+      for (int c = 0; c < C; ++c) acc[u][c] = vfma(vsplat(wj), vj[c], acc[u][c]);
     }
   }
 #pragma GCC unroll 4
@@ -138,7 +165,7 @@ inline void weighted_sum_any(const T* v, const float* w, const float* vs, int64_
   for (int64_t j = 0; j < keys; ++j) {
     const float wj = vs ? w[j] * vs[j] : w[j];
     for (int64_t d = 0; d < head_dim; d += kLanes)
-      vstore(a + d, vload(a + d) + wj * load16(v + j * head_dim + d));
+      vstore(a + d, vfma(vsplat(wj), load16(v + j * head_dim + d), vload(a + d)));
   }
 }
 
@@ -192,6 +219,7 @@ void attend(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& 
   const int64_t num_items = static_cast<int64_t>(item_seq.size()) * num_kv_heads;
 
   at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
+    const FlushDenormals ftz;
     std::vector<float> scores, acc;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t tile = item / num_kv_heads, h = item % num_kv_heads;
@@ -210,27 +238,48 @@ void attend(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& 
       int64_t qlen[kTile * 64];  // keys visible to each query vector
       for (int64_t i = 0; i < rows * group; ++i) qlen[i] = len[i / group];
       const int64_t num_blocks = (max_len + block_size - 1) / block_size;
+      // Blocks sit anywhere in the pool, out of the hardware prefetcher's sight: each pass
+      // asks for block i + kAhead (and its scales) as it starts on block i.
+      auto fetch = [&](const T* cache, const float* scales, int64_t i) {
+        if (i >= num_blocks) return;
+        const int64_t at = table[i] * block_elems + h * head_elems;
+        prefetch(cache + at, head_elems * sizeof(T));
+        if (scales) prefetch(scales + at / head_dim, block_size * sizeof(float));
+      };
+      for (int64_t i = 0; i < std::min<int64_t>(kAhead, num_blocks); ++i)
+        fetch(k_ptr, ks_ptr, i);
       const int64_t stride = num_blocks * block_size;  // scores per query vector
       scores.resize(static_cast<size_t>(nq * stride));
       const float* qptrs[kTile * 64];
       for (int64_t i = 0; i < nq; ++i)
         qptrs[i] = q_ptr + (t0 + i / group) * q_stride + (h * group + i % group) * head_dim;
 
-      // 1. Scores, a block of keys at a time: lane c of a vector sums q[d] k_c[d] over d
-      //    in order; then times scale (and the key's stored scale).
-      for (int64_t blk = 0; blk < num_blocks; ++blk) {
-        const int64_t at = table[blk] * block_elems + h * head_elems;
-        const T* kt = k_ptr + at;  // [D, block_size]
-        if (blk + 1 < num_blocks) prefetch(k_ptr + table[blk + 1] * block_elems + h * head_elems,
-                                           head_elems * sizeof(T));
+      // 1. Scores, two blocks of keys at a time: lane c of a vector sums q[d] k_c[d] over
+      //    d in order; then times scale (and the key's stored scale).
+      for (int64_t blk = 0; blk < num_blocks; blk += 2) {
+        const int nb = blk + 1 < num_blocks ? 2 : 1;
+        int64_t at[2];
+        for (int b = 0; b < nb; ++b) {
+          at[b] = table[blk + b] * block_elems + h * head_elems;
+          fetch(k_ptr, ks_ptr, blk + b + kAhead);
+        }
         for (int64_t c = 0; c < block_size; c += kLanes) {
-          vfloat ks = vsplat(sm_scale);
-          if (ks_ptr) ks = vload(ks_ptr + at / head_dim + c) * sm_scale;
+          const T* kt[2];
+          vfloat ks[2];
+          for (int b = 0; b < nb; ++b) {
+            kt[b] = k_ptr + at[b] + c;  // [D, block_size], from column c
+            ks[b] = ks_ptr ? vload(ks_ptr + at[b] / head_dim + c) * sm_scale
+                           : vsplat(sm_scale);
+          }
           // Every query vector, also past its own length (those lanes are scratch).
           for (int64_t i = 0; i < nq; i += kScoreRows) {
-            float* dst = scores.data() + i * stride + blk * block_size + c;
-            block_scores(kt + c, block_size, head_dim, qptrs + i,
-                         std::min<int64_t>(kScoreRows, nq - i), ks, dst, stride);
+            float* const dst[2] = {scores.data() + i * stride + blk * block_size + c,
+                                   scores.data() + i * stride + (blk + 1) * block_size + c};
+            const int64_t n = std::min<int64_t>(kScoreRows, nq - i);
+            if (nb == 2)
+              block_scores<2>(kt, block_size, head_dim, qptrs + i, n, ks, dst, stride);
+            else
+              block_scores<1>(kt, block_size, head_dim, qptrs + i, n, ks, dst, stride);
           }
         }
       }
@@ -259,13 +308,14 @@ void attend(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& 
         for (int64_t j = body; j < n; ++j) sum += sc[j];
         inv_sum[i] = 1.f / sum;
       }
+      for (int64_t i = 0; i < std::min<int64_t>(kAhead, num_blocks); ++i)
+        fetch(v_ptr, vs_ptr, i);
       // 3. Weighted sum of values in key order, a block at a time (its values stay in L1
       //    while every query vector of the item takes its share), then normalize.
       acc.assign(static_cast<size_t>(nq * head_dim), 0.f);
       for (int64_t blk = 0; blk < num_blocks; ++blk) {
         const int64_t at = table[blk] * block_elems + h * head_elems;
-        if (blk + 1 < num_blocks)
-          prefetch(v_ptr + table[blk + 1] * block_elems + h * head_elems, head_elems * sizeof(T));
+        fetch(v_ptr, vs_ptr, blk + kAhead);
         const int64_t j0 = blk * block_size;
         const float* vs = vs_ptr ? vs_ptr + at / head_dim : nullptr;
         // The query vectors of one row share their keys: taken together, up to four.
