@@ -125,3 +125,31 @@ def test_topk_logprobs(logits):
         assert ranks[i].item() == order.index(chosen[i].item()) + 1
         assert ids[i, 1:].tolist() == order[:4]
         assert lps[i].tolist() == pytest.approx([row[j] for j in ids[i].tolist()])
+
+
+def _slow_argmax(row: list[float]) -> int:
+    """The first NaN if any, else the first index of the largest value."""
+    for i, x in enumerate(row):
+        if math.isnan(x):
+            return i
+    return row.index(max(row))
+
+
+@pytest.mark.parametrize("vocab", [1, 15, 16, 17, 49152])
+def test_argmax(vocab: int):
+    gen = torch.Generator().manual_seed(vocab)
+    x = torch.randn(9, vocab, generator=gen)
+    x[1] = 0.0                                     # all tied: index 0
+    x[2, vocab // 2:] = 5.0                        # ties at the end of a row: the first one
+    x[3, vocab - 1] = float("inf")                 # the last element
+    x[4] = float("-inf")
+    x[5, vocab // 3] = float("nan")                # NaN counts as the largest
+    x[6, :] = float("nan")
+    x[7, vocab - 1] = float("nan")
+    x[7, 0] = float("inf")
+    got = ops.argmax(x)
+    assert got.dtype == torch.int64
+    assert got.tolist() == [_slow_argmax(r) for r in x.tolist()]
+    assert got.tolist() == x.argmax(dim=1).tolist()
+    strided = torch.randn(4, 2 * vocab, generator=gen)[:, ::2]  # the PyTorch path
+    assert ops.argmax(strided).tolist() == [_slow_argmax(r) for r in strided.tolist()]

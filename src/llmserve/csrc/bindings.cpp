@@ -16,5 +16,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_linear", &int4_linear,
         "x W^T for int4 W (group scales and zeros) packed for VNNI, two-level int8 x");
   m.attr("has_vnni") = vnni_supported();
+  m.def("argmax_rows", &argmax_rows, "torch.argmax(x, dim=1) for float32 rows, faster");
   m.def("rotary_embedding_", &rotary_embedding_, "rotate-half rotary embedding, in place");
 }

@@ -1,8 +1,10 @@
 // Elementwise and row-wise layer ops: RMSNorm (with the residual add fused), SiLU-and-mul,
-// rotary embedding in place. Each row is computed on its own in a fixed order.
+// rotary embedding in place, the argmax of each row. Each row is computed on its own in a fixed order.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+
+#include <cmath>
 
 #include "cpu_math.h"
 #include "ops.h"
@@ -123,6 +125,60 @@ void rotary_embedding_(at::Tensor& q, at::Tensor& k, const at::Tensor& positions
       for (int64_t h = 0; h < kh; ++h) rotate(kp + t * ks + h * dim);
     }
   });
+}
+
+// torch.argmax(x, dim=1) for float32 rows, NaN counted as the largest, the first index of
+// the largest value on ties. PyTorch's CPU argmax runs ~10x slower than this on a [64, 49152]
+// batch of logits (~4 ms, a few percent of a decode step).
+at::Tensor argmax_rows(const at::Tensor& x) {
+  check_rows(x, "x");
+  const int64_t rows = x.size(0), n = x.size(1);
+  TORCH_CHECK(n > 0, "argmax of an empty row");
+  auto out = at::empty({rows}, x.options().dtype(at::kLong));
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  const int64_t stride = x.stride(0), body = n - n % kLanes;
+  at::parallel_for(0, rows, 1, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      const float* row = xp + r * stride;
+      // Pass 1: the maximum (exact in any order) and whether a NaN is present.
+      float m = row[0];
+      bool nan = false;
+      if (body > 0) {
+        vfloat mv = vload(row);
+        vint nv{};
+        for (int64_t i = 0; i < body; i += kLanes) {
+          const vfloat v = vload(row + i);
+          mv = v > mv ? v : mv;
+          nv |= v != v;
+        }
+        for (int l = 0; l < kLanes; ++l) {
+          m = std::max(m, mv[l]);
+          nan |= nv[l] != 0;
+        }
+      }
+      for (int64_t i = body; i < n; ++i) {
+        m = std::max(m, row[i]);
+        nan |= std::isnan(row[i]);
+      }
+      // Pass 2: the first index holding it (or the first NaN).
+      int64_t i = 0;
+#if defined(__AVX512F__)
+      if (!nan) {  // skip whole vectors without it
+        const __m512 mv = _mm512_set1_ps(m);
+        while (i < body && _mm512_cmpeq_ps_mask(_mm512_loadu_ps(row + i), mv) == 0) i += kLanes;
+      }
+#endif
+      int64_t at = 0;
+      for (; i < n; ++i)
+        if (nan ? std::isnan(row[i]) : row[i] == m) {
+          at = i;
+          break;
+        }
+      op[r] = at;
+    }
+  });
+  return out;
 }
 
 }  // namespace llmserve

