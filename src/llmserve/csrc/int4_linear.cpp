@@ -34,42 +34,60 @@ constexpr int kPanel = 4;        // channel blocks per tile: 64 channels
 constexpr int kMaxTileRows = 2;  // activation rows per tile (4 integer rows, 16 sums)
 constexpr int kPrefetch = 2048;
 
-template <int T>
-void tile(const int8_t* q, const float* group_sums, const float* scales, int64_t k,
-          int64_t group, const uint8_t* weights, const uint16_t* scale_zero, float* y,
-          int64_t y_stride, int64_t cols) {
-  const int64_t groups = k / group, quads_per_group = group / 4;
+// One group of quads [j0, j0 + quads) for T rows: sums[t][c] = 254 A1 + A2 (exact int32).
+// Its own function, not inlined, with the prefetch choice a template argument: inside
+// tile()'s group loop, or with the loop unswitched on a runtime flag, GCC copied half of
+// the accumulators through other registers around every vpdpbusd.
+template <int T, bool prefetch>
+__attribute__((noinline)) void group_dots(const int8_t* q, int64_t k, int64_t j0,
+                                          int64_t quads, const uint8_t* weights,
+                                          __m512i* sums) {
   const __m512i low = _mm512_set1_epi8(0x0F);
-  __m512 out[T][kPanel];
+  __m512i acc[2 * T][kPanel];
+#pragma GCC unroll 4
+  for (int r = 0; r < 2 * T; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < kPanel; ++c) acc[r][c] = _mm512_setzero_si512();
+  for (int64_t j = j0; j < j0 + quads; ++j) {
+    const uint8_t* wj = weights + j * 128;
+    if constexpr (prefetch) {  // a panel's first pass, from memory; later ones find it cached
+      _mm_prefetch(reinterpret_cast<const char*>(wj) + kPrefetch, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(wj) + kPrefetch + 64, _MM_HINT_T0);
+    }
+    const __m512i v0 = _mm512_load_si512(wj), v1 = _mm512_load_si512(wj + 64);
+    const __m512i w[kPanel] = {
+        _mm512_and_si512(v0, low), _mm512_and_si512(_mm512_srli_epi16(v0, 4), low),
+        _mm512_and_si512(v1, low), _mm512_and_si512(_mm512_srli_epi16(v1, 4), low)};
+#pragma GCC unroll 4
+    for (int r = 0; r < 2 * T; ++r) {
+      int32_t four;
+      std::memcpy(&four, q + r * k + 4 * j, 4);
+      const __m512i a = _mm512_set1_epi32(four);
+#pragma GCC unroll 4
+      for (int c = 0; c < kPanel; ++c) dpbusd(acc[r][c], w[c], a);
+    }
+  }
 #pragma GCC unroll 4
   for (int t = 0; t < T; ++t)
 #pragma GCC unroll 4
-    for (int c = 0; c < kPanel; ++c) out[t][c] = _mm512_setzero_ps();
-
-  for (int64_t g = 0; g < groups; ++g) {
-    __m512i acc[2 * T][kPanel];
-#pragma GCC unroll 4
-    for (int r = 0; r < 2 * T; ++r)
-#pragma GCC unroll 4
-      for (int c = 0; c < kPanel; ++c) acc[r][c] = _mm512_setzero_si512();
-    for (int64_t jj = 0; jj < quads_per_group; ++jj) {
-      const int64_t j = g * quads_per_group + jj;
-      const uint8_t* wj = weights + j * 128;
-      _mm_prefetch(reinterpret_cast<const char*>(wj) + kPrefetch, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(wj) + kPrefetch + 64, _MM_HINT_T0);
-      const __m512i v0 = _mm512_load_si512(wj), v1 = _mm512_load_si512(wj + 64);
-      const __m512i w[kPanel] = {
-          _mm512_and_si512(v0, low), _mm512_and_si512(_mm512_srli_epi16(v0, 4), low),
-          _mm512_and_si512(v1, low), _mm512_and_si512(_mm512_srli_epi16(v1, 4), low)};
-#pragma GCC unroll 4
-      for (int r = 0; r < 2 * T; ++r) {
-        int32_t four;
-        std::memcpy(&four, q + r * k + 4 * j, 4);
-        const __m512i a = _mm512_set1_epi32(four);
-#pragma GCC unroll 4
-        for (int c = 0; c < kPanel; ++c) acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], w[c], a);
-      }
+    for (int c = 0; c < kPanel; ++c) {
+      const __m512i a1 = acc[2 * t][c];
+      sums[t * kPanel + c] = _mm512_add_epi32(
+          _mm512_sub_epi32(_mm512_slli_epi32(a1, 8), _mm512_slli_epi32(a1, 1)),
+          acc[2 * t + 1][c]);  // 254 A1 + A2, exact
     }
+}
+
+template <int T>
+void tile(const int8_t* q, const float* group_sums, const float* scales, int64_t k,
+          int64_t group, const uint8_t* weights, const uint16_t* scale_zero, float* y,
+          int64_t y_stride, int64_t cols, bool prefetch) {
+  const int64_t groups = k / group, quads_per_group = group / 4;
+  alignas(64) float out[T][kPanel * kBlock] = {};
+  alignas(64) __m512i sums[T * kPanel];
+  for (int64_t g = 0; g < groups; ++g) {
+    (prefetch ? group_dots<T, true> : group_dots<T, false>)(q, k, g * quads_per_group,
+                                                           quads_per_group, weights, sums);
     const uint16_t* sz = scale_zero + g * 2 * kPanel * kBlock;
 #pragma GCC unroll 4
     for (int c = 0; c < kPanel; ++c) {
@@ -79,30 +97,27 @@ void tile(const int8_t* q, const float* group_sums, const float* scales, int64_t
           reinterpret_cast<const __m256i*>(sz + (kPanel + c) * kBlock)));
 #pragma GCC unroll 4
       for (int t = 0; t < T; ++t) {
-        const __m512i a1 = acc[2 * t][c];
-        const __m512i a = _mm512_add_epi32(
-            _mm512_sub_epi32(_mm512_slli_epi32(a1, 8), _mm512_slli_epi32(a1, 1)),
-            acc[2 * t + 1][c]);  // 254 A1 + A2, exact
-        out[t][c] = _mm512_add_ps(out[t][c], _mm512_mul_ps(scale, _mm512_cvtepi32_ps(a)));
-        out[t][c] = _mm512_add_ps(
-            out[t][c], _mm512_mul_ps(zero, _mm512_set1_ps(group_sums[t * groups + g])));
+        const __m512i a = sums[t * kPanel + c];
+        float* o = out[t] + c * kBlock;
+        __m512 v = _mm512_add_ps(_mm512_load_ps(o), _mm512_mul_ps(scale, _mm512_cvtepi32_ps(a)));
+        v = _mm512_add_ps(v, _mm512_mul_ps(zero, _mm512_set1_ps(group_sums[t * groups + g])));
+        _mm512_store_ps(o, v);
       }
     }
   }
 
-  alignas(64) float rows[T][kPanel * kBlock];
 #pragma GCC unroll 4
   for (int t = 0; t < T; ++t) {
     const __m512 s = _mm512_set1_ps(scales[t] / kResidual);
 #pragma GCC unroll 4
     for (int c = 0; c < kPanel; ++c)
-      _mm512_store_ps(rows[t] + c * kBlock, _mm512_mul_ps(out[t][c], s));
+      _mm512_store_ps(out[t] + c * kBlock, _mm512_mul_ps(_mm512_load_ps(out[t] + c * kBlock), s));
   }
-  for (int t = 0; t < T; ++t) std::memcpy(y + t * y_stride, rows[t], cols * sizeof(float));
+  for (int t = 0; t < T; ++t) std::memcpy(y + t * y_stride, out[t], cols * sizeof(float));
 }
 
 using TileFn = void (*)(const int8_t*, const float*, const float*, int64_t, int64_t,
-                        const uint8_t*, const uint16_t*, float*, int64_t, int64_t);
+                        const uint8_t*, const uint16_t*, float*, int64_t, int64_t, bool);
 constexpr TileFn kTiles[kMaxTileRows + 1] = {nullptr, tile<1>, tile<2>};
 
 }  // namespace
@@ -151,7 +166,8 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed,
       const int64_t n0 = p * kPanel * kBlock;
       kTiles[rows](q.data() + 2 * t0 * k, sums.data() + t0 * groups, scales.data() + t0, k,
                    group, wp + p * k * 32, szp + p * groups * 2 * kPanel * kBlock,
-                   yp + t0 * n + n0, n, std::min<int64_t>(kPanel * kBlock, n - n0));
+                   yp + t0 * n + n0, n, std::min<int64_t>(kPanel * kBlock, n - n0),
+                   t0 == 0 || item == b);
     }
   });
   return y;

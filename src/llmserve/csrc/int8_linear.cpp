@@ -65,7 +65,7 @@ void tile(const uint8_t* q, const float* scales, int64_t k, const int8_t* panel,
       std::memcpy(&four, q + r * k + 4 * j, 4);
       const __m512i a = _mm512_set1_epi32(four);
 #pragma GCC unroll 4
-      for (int c = 0; c < kPanel; ++c) acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], a, w[c]);
+      for (int c = 0; c < kPanel; ++c) dpbusd(acc[r][c], a, w[c]);
     }
   }
   // The epilogue straight from the registers; excess and w_scale are padded to the panel.

@@ -22,6 +22,13 @@ constexpr float kResidual = 254.f;  // the rounding residual is within +-s/2: 25
 
 #if LLMSERVE_HAS_VNNI
 
+// acc += u8 . s8 (vpdpbusd: four byte products summed into each int32 lane), accumulating
+// in place. The intrinsic leaves GCC free to put the sum in another register, and in the
+// int4 kernel's loop it did, copying half of the accumulators around every instruction.
+inline void dpbusd(__m512i& acc, __m512i u8, __m512i s8) {
+  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u8), "v"(s8));
+}
+
 // One activation row x[0..k) split into two levels, 16 lanes at a time:
 //   s = max(max|x|, smallest normal float) / 127,
 //   x1 = round(x / s), x2 = round((x - s x1) 254 / s), each clamped to [-127, 127]
