@@ -137,3 +137,24 @@ def test_compiled_store_matches_python_store(kv_dtype: str):
     if ref.key_scale is not None:
         assert torch.equal(ours.key_scale, ref.key_scale)
         assert torch.equal(ours.value_scale, ref.value_scale)
+
+
+@pytest.mark.skipif(cpu_ops() is None, reason=NO_KERNELS)
+@pytest.mark.parametrize("kv_dtype", list(KV_CACHE_DTYPES))
+def test_compiled_dominant_key(kv_dtype: str):
+    """One key scores ~100 above the rest: the others' softmax weights fall below float32's
+    normal range (the kernel flushes them to zero rather than take the slow denormal path),
+    the output is that key's value, and the calling thread's float state is left as it was:
+    denormals still come out of PyTorch afterwards."""
+    lengths = {0: 150}
+    kv, q, blocks, num_blocks = _problem(lengths)
+    k = kv[0][0]
+    q[0][-1] = k[77].repeat_interleave(HQ // HKV, dim=0) * 16.0  # ~128 against ~+-20
+    cache = PagedKVCache.allocate(kv_dtype, num_blocks, BS, HKV, D, torch.device("cpu"))
+    out = _run("cpu_paged", [(0, 1, blocks[0])], cache, kv, q)[0]
+    ids = torch.tensor(blocks[0])
+    _, v_all = cache.gather(ids, cache.gather_buffer(len(ids)), cache.gather_buffer(len(ids)))
+    expected = v_all.reshape(-1, HKV, D)[77].repeat_interleave(HQ // HKV, dim=0).reshape(-1)
+    torch.testing.assert_close(out[0], expected, atol=1e-5, rtol=1e-5)
+    tiny = torch.tensor([1e-30]) * torch.tensor([1e-10])
+    assert tiny.item() > 0, "flush-to-zero leaked out of the attention kernel"
