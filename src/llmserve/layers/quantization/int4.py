@@ -97,6 +97,7 @@ def int4_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
 @register_linear_method("int4")
 class Int4Method(LinearMethod):
     _ops = None  # the compiled module when finalize() packed the weights for it
+    _kernel_args: tuple = ()
 
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int) -> None:
         groups = in_features // self.fmt.group_size
@@ -124,6 +125,8 @@ class Int4Method(LinearMethod):
             packed, scale_zero = pack_vnni(q, scale, zero)
             layer.register_buffer("qweight_vnni", packed)
             layer.register_buffer("scale_zero", scale_zero)
+            # As a tuple too, read on every call (see Int8Method.finalize).
+            self._kernel_args = (packed, scale_zero, self.fmt.group_size, layer.out_features)
             return
         layer.register_buffer("qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(
             q.to(torch.int32), 1))
@@ -136,8 +139,7 @@ class Int4Method(LinearMethod):
         if self._ops is not None:
             if x.dtype != torch.float32 or x.stride(-1) != 1:
                 x = x.to(torch.float32, memory_format=torch.contiguous_format).contiguous()
-            return self._ops.int4_linear(x, layer.qweight_vnni, layer.scale_zero,
-                                         self.fmt.group_size, layer.out_features)
+            return self._ops.int4_linear(x, *self._kernel_args)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
             x.to(ACT_DTYPE, memory_format=torch.contiguous_format), layer.qweight,
             self.fmt.group_size, layer.scales_and_zeros)
