@@ -58,14 +58,7 @@ __attribute__((noinline)) void group_dots(const int8_t* q, int64_t k, int64_t j0
     const __m512i w[kPanel] = {
         _mm512_and_si512(v0, low), _mm512_and_si512(_mm512_srli_epi16(v0, 4), low),
         _mm512_and_si512(v1, low), _mm512_and_si512(_mm512_srli_epi16(v1, 4), low)};
-#pragma GCC unroll 4
-    for (int r = 0; r < 2 * T; ++r) {
-      int32_t four;
-      std::memcpy(&four, q + r * k + 4 * j, 4);
-      const __m512i a = _mm512_set1_epi32(four);
-#pragma GCC unroll 4
-      for (int c = 0; c < kPanel; ++c) dpbusd(acc[r][c], w[c], a);
-    }
+    rows_times_weights<2 * T, kPanel, true>(acc, reinterpret_cast<const uint8_t*>(q), k, j, w);
   }
 #pragma GCC unroll 4
   for (int t = 0; t < T; ++t)

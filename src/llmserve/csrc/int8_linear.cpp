@@ -59,14 +59,7 @@ void tile(const uint8_t* q, const float* scales, int64_t k, const int8_t* panel,
     __m512i w[kPanel];
 #pragma GCC unroll 4
     for (int c = 0; c < kPanel; ++c) w[c] = _mm512_load_si512(wj + c * 64);
-#pragma GCC unroll 8
-    for (int r = 0; r < 2 * T; ++r) {
-      int32_t four;
-      std::memcpy(&four, q + r * k + 4 * j, 4);
-      const __m512i a = _mm512_set1_epi32(four);
-#pragma GCC unroll 4
-      for (int c = 0; c < kPanel; ++c) dpbusd(acc[r][c], a, w[c]);
-    }
+    rows_times_weights<2 * T, kPanel, false>(acc, q, k, j, w);
   }
   // The epilogue straight from the registers; excess and w_scale are padded to the panel.
   const __m512 inv_residual = _mm512_set1_ps(1.f / kResidual);

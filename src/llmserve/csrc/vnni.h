@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -27,6 +28,27 @@ constexpr float kResidual = 254.f;  // the rounding residual is within +-s/2: 25
 // int4 kernel's loop it did, copying half of the accumulators around every instruction.
 inline void dpbusd(__m512i& acc, __m512i u8, __m512i s8) {
   asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u8), "v"(s8));
+}
+
+// acc[r][c] += (bytes 4j..4j+3 of code row r, broadcast) . w[c] for r < R, c < C: one
+// 4-input step of a tile. The code rows are k bytes apart; in the int8 kernel they are the
+// unsigned operand (biased activations), in the int4 kernel the weights are.
+template <int R, int C, bool kWeightsUnsigned>
+inline void rows_times_weights(__m512i (&acc)[R][C], const uint8_t* codes, int64_t k,
+                               int64_t j, const __m512i (&w)[C]) {
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    int32_t four;
+    std::memcpy(&four, codes + r * k + 4 * j, 4);
+    const __m512i a = _mm512_set1_epi32(four);
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) {
+      if constexpr (kWeightsUnsigned)
+        dpbusd(acc[r][c], w[c], a);
+      else
+        dpbusd(acc[r][c], a, w[c]);
+    }
+  }
 }
 
 // One activation row x[0..k) split into two levels, 16 lanes at a time:
