@@ -46,7 +46,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     offline.add_argument("--num-requests", type=int, default=200)
     offline.add_argument("--max-num-seqs", type=int, default=64)
     offline.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    offline.add_argument("--kv-cache-memory", type=float, default=2.0)
+    offline.add_argument("--kv-cache-memory", type=float, default=6.0,
+                         help="GiB; enough for a padded static batch of the workload")
     offline.add_argument("--seed", type=int, default=0)
     offline.add_argument("--quantization", default="auto",
                          help="weight format, as for `llmserve serve`")
