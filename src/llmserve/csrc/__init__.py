@@ -26,8 +26,10 @@ logger = logging.getLogger(__name__)
 _SOURCES = sorted(Path(__file__).parent.glob("*.cpp"))
 _HEADERS = sorted(Path(__file__).parent.glob("*.h"))
 # -fopenmp: at::parallel_for runs its loop on ATen's OpenMP threads only in code compiled
-# with it; without, every kernel would run on one core.
-_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
+# with it; without, every kernel would run on one core. -fvisibility=hidden: only the module's
+# entry point is exported (calls between the kernels bind inside the library, not through
+# the dynamic linker).
+_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fvisibility=hidden"]
 
 
 @functools.cache

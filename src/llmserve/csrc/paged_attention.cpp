@@ -97,36 +97,46 @@ inline void prefetch(const void* p, int64_t bytes) {
   for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i);
 }
 
-constexpr int kScoreRows = 4;  // query vectors scored together (one accumulator each)
+constexpr int kScoreRows = 4;  // most query vectors scored together (one accumulator each)
 
 // dst[b][u * stride + lane] = (sum_d q_u[d] kt[b][d * ld + lane]) * ks[b], over d in order
-// (fused multiply-adds), for the n <= kScoreRows query vectors q_u and NB key tiles kt[b]:
-// one load of each key vector feeds every query's accumulator, and the NB * 4 independent
-// accumulators keep both FMA pipes busy. A lane's arithmetic is the same for any NB.
-template <int NB, typename T>
+// (fused multiply-adds), for N <= kScoreRows query vectors q_u and NB key tiles kt[b]: one
+// load of each key vector feeds every query's accumulator, and the NB * N independent
+// accumulators keep both FMA pipes busy. A lane's arithmetic is the same for any NB and N.
+// (N is a template argument so that every accumulator index is a constant: with a runtime
+// count GCC kept the accumulators in memory, a store each per step over d.)
+template <int NB, int N, typename T>
 inline void block_scores(const T* const* kt, int64_t ld, int64_t head_dim,
-                         const float* const* q, int64_t n, const vfloat* ks,
-                         float* const* dst, int64_t stride) {
-  vfloat acc[NB][kScoreRows] = {};
-  const float* q0 = q[0];
-  const float* q1 = q[n > 1 ? 1 : 0];
-  const float* q2 = q[n > 2 ? 2 : 0];
-  const float* q3 = q[n > 3 ? 3 : 0];
+                         const float* const* q, const vfloat* ks, float* const* dst,
+                         int64_t stride) {
+  vfloat acc[NB][N] = {};
   for (int64_t d = 0; d < head_dim; ++d) {
-    const vfloat s0 = vsplat(q0[d]), s1 = vsplat(q1[d]), s2 = vsplat(q2[d]),
-                 s3 = vsplat(q3[d]);
+    vfloat s[N];
+#pragma GCC unroll 4
+    for (int u = 0; u < N; ++u) s[u] = vsplat(q[u][d]);
 #pragma GCC unroll 4
     for (int b = 0; b < NB; ++b) {
       const vfloat k = load16(kt[b] + d * ld);
-      acc[b][0] = vfma(s0, k, acc[b][0]);
-      acc[b][1] = vfma(s1, k, acc[b][1]);
-      acc[b][2] = vfma(s2, k, acc[b][2]);
-      acc[b][3] = vfma(s3, k, acc[b][3]);
+#pragma GCC unroll 4
+      for (int u = 0; u < N; ++u) acc[b][u] = vfma(s[u], k, acc[b][u]);
     }
   }
 #pragma GCC unroll 4
   for (int b = 0; b < NB; ++b)
-    for (int64_t u = 0; u < n; ++u) vstore(dst[b] + u * stride, acc[b][u] * ks[b]);
+#pragma GCC unroll 4
+    for (int u = 0; u < N; ++u) vstore(dst[b] + u * stride, acc[b][u] * ks[b]);
+}
+
+template <int NB, typename T>
+inline void block_scores_n(const T* const* kt, int64_t ld, int64_t head_dim,
+                           const float* const* q, int64_t n, const vfloat* ks,
+                           float* const* dst, int64_t stride) {
+  switch (n) {
+    case 1: block_scores<NB, 1>(kt, ld, head_dim, q, ks, dst, stride); break;
+    case 2: block_scores<NB, 2>(kt, ld, head_dim, q, ks, dst, stride); break;
+    case 3: block_scores<NB, 3>(kt, ld, head_dim, q, ks, dst, stride); break;
+    default: block_scores<NB, kScoreRows>(kt, ld, head_dim, q, ks, dst, stride); break;
+  }
 }
 
 // a_u[0 : 16 C] += sum_j w_u[j] (* vs[j]) v[j], over j = 0..keys in order, for U query
@@ -242,9 +252,9 @@ void attend(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& 
       // asks for block i + kAhead (and its scales) as it starts on block i.
       auto fetch = [&](const T* cache, const float* scales, int64_t i) {
         if (i >= num_blocks) return;
-        const int64_t at = table[i] * block_elems + h * head_elems;
-        prefetch(cache + at, head_elems * sizeof(T));
-        if (scales) prefetch(scales + at / head_dim, block_size * sizeof(float));
+        prefetch(cache + table[i] * block_elems + h * head_elems, head_elems * sizeof(T));
+        if (scales) prefetch(scales + (table[i] * num_kv_heads + h) * block_size,
+                             block_size * sizeof(float));
       };
       for (int64_t i = 0; i < std::min<int64_t>(kAhead, num_blocks); ++i)
         fetch(k_ptr, ks_ptr, i);
@@ -258,9 +268,10 @@ void attend(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& 
       //    d in order; then times scale (and the key's stored scale).
       for (int64_t blk = 0; blk < num_blocks; blk += 2) {
         const int nb = blk + 1 < num_blocks ? 2 : 1;
-        int64_t at[2];
+        int64_t at[2], sat[2];  // the blocks' keys and scales of head h
         for (int b = 0; b < nb; ++b) {
           at[b] = table[blk + b] * block_elems + h * head_elems;
+          sat[b] = (table[blk + b] * num_kv_heads + h) * block_size;
           fetch(k_ptr, ks_ptr, blk + b + kAhead);
         }
         for (int64_t c = 0; c < block_size; c += kLanes) {
@@ -268,7 +279,7 @@ void attend(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& 
           vfloat ks[2];
           for (int b = 0; b < nb; ++b) {
             kt[b] = k_ptr + at[b] + c;  // [D, block_size], from column c
-            ks[b] = ks_ptr ? vload(ks_ptr + at[b] / head_dim + c) * sm_scale
+            ks[b] = ks_ptr ? vload(ks_ptr + sat[b] + c) * sm_scale
                            : vsplat(sm_scale);
           }
           // Every query vector, also past its own length (those lanes are scratch).
@@ -277,9 +288,9 @@ void attend(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& 
                                    scores.data() + i * stride + (blk + 1) * block_size + c};
             const int64_t n = std::min<int64_t>(kScoreRows, nq - i);
             if (nb == 2)
-              block_scores<2>(kt, block_size, head_dim, qptrs + i, n, ks, dst, stride);
+              block_scores_n<2>(kt, block_size, head_dim, qptrs + i, n, ks, dst, stride);
             else
-              block_scores<1>(kt, block_size, head_dim, qptrs + i, n, ks, dst, stride);
+              block_scores_n<1>(kt, block_size, head_dim, qptrs + i, n, ks, dst, stride);
           }
         }
       }
@@ -317,7 +328,8 @@ void attend(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& 
         const int64_t at = table[blk] * block_elems + h * head_elems;
         fetch(v_ptr, vs_ptr, blk + kAhead);
         const int64_t j0 = blk * block_size;
-        const float* vs = vs_ptr ? vs_ptr + at / head_dim : nullptr;
+        const float* vs =
+            vs_ptr ? vs_ptr + (table[blk] * num_kv_heads + h) * block_size : nullptr;
         // The query vectors of one row share their keys: taken together, up to four.
         for (int64_t i = 0; i < nq; i += group) {
           const int64_t keys = std::min(block_size, qlen[i] - j0);
