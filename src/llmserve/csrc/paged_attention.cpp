@@ -15,6 +15,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -227,11 +228,30 @@ void attend(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& 
       item_row.push_back(t);
     }
   const int64_t num_items = static_cast<int64_t>(item_seq.size()) * num_kv_heads;
+  // Items differ in cost (rows x keys): a prefill chunk's tiles beside decodes of short and
+  // long sequences. Threads take them from a shared counter, costliest first, so that none
+  // idles while another still has a long list (an even split of the range left one thread
+  // waiting on the other). Which thread computes an item does not change its arithmetic.
+  std::vector<int64_t> order(static_cast<size_t>(num_items));
+  {
+    std::vector<int64_t> cost(item_seq.size());
+    for (size_t t = 0; t < item_seq.size(); ++t) {
+      const int64_t last = std::min<int64_t>(item_row[t] + kTile, qstart[item_seq[t] + 1]) - 1;
+      cost[t] = (last - item_row[t] + 1) * (pos[last] + 1);
+    }
+    for (int64_t i = 0; i < num_items; ++i) order[i] = i;
+    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+      return cost[a / num_kv_heads] > cost[b / num_kv_heads];
+    });
+  }
+  std::atomic<int64_t> next_item{0};
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), num_items);
 
-  at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     const FlushDenormals ftz;
     std::vector<float> scores, acc;
-    for (int64_t item = begin; item < end; ++item) {
+    for (int64_t k; (k = next_item.fetch_add(1, std::memory_order_relaxed)) < num_items;) {
+      const int64_t item = order[k];
       const int64_t tile = item / num_kv_heads, h = item % num_kv_heads;
       const int64_t b = item_seq[tile], t0 = item_row[tile];
       const int64_t rows = std::min<int64_t>(kTile, qstart[b + 1] - t0);
