@@ -6,12 +6,17 @@ from __future__ import annotations
 
 import pytest
 
-from llmserve.bench.offline import MODES, padded_lengths, run_mode
+from llmserve.bench.offline import MODES, padded_lengths, run_mode, run_offline
 
 
 def test_padded_lengths_are_each_batch_longest():
     assert padded_lengths([3, 9, 2, 5, 7], 2) == [9, 9, 5, 5, 7]
     assert padded_lengths([4], 64) == [4]
+
+
+def test_unknown_mode_is_refused():
+    with pytest.raises(ValueError, match="modes must be some of continuous"):
+        run_offline("unused", 1, 0, 1.0, 1, 16, modes=("fast",))
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from llmserve.bench.offline import MODES
 from llmserve.bench.workloads import WORKLOADS
 
 
@@ -51,6 +52,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     offline.add_argument("--seed", type=int, default=0)
     offline.add_argument("--quantization", default="auto",
                          help="weight format, as for `llmserve serve`")
+    offline.add_argument("--modes", default=",".join(MODES),
+                         help="comma-separated, some of: " + ", ".join(MODES))
     offline.add_argument("--output", default=None, help="also write the results as JSON")
     offline.set_defaults(func=_cmd_offline)
 
@@ -208,7 +211,8 @@ def _cmd_offline(args: argparse.Namespace) -> int:
 
     report = run_offline(args.model, args.num_requests, args.seed, args.kv_cache_memory,
                          args.max_num_seqs, args.max_num_batched_tokens,
-                         quantization=args.quantization)
+                         quantization=args.quantization,
+                         modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()))
     print(offline_table(report))
     if args.output:
         Path(args.output).write_text(json.dumps(report, indent=1))
