@@ -6,7 +6,7 @@ every step:
 
 - ``continuous``: iteration-level batching (the engine's default).
 - ``static-padded``: static batching as a padded batch runs it (``model.generate`` on a
-  batch in transformers, the baseline of the published continuous-batching results): a
+  batch in transformers, the usual baseline of published continuous-batching results): a
   batch of ``max_num_seqs`` requests starts together and every member keeps computing a
   token per step until the batch's longest member ends; only each request's own tokens
   count as output. Run as the engine's ``--scheduling static`` with each member's

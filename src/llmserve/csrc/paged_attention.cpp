@@ -231,7 +231,10 @@ void attend(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& 
   // Items differ in cost (rows x keys): a prefill chunk's tiles beside decodes of short and
   // long sequences. Threads take them from a shared counter, costliest first, so that none
   // idles while another still has a long list (an even split of the range left one thread
-  // waiting on the other). Which thread computes an item does not change its arithmetic.
+  // waiting on the other). With tiles to spare, a thread takes every KV head of a tile at
+  // once (neighbouring slices of the same blocks); with few, one item at a time, so that a
+  // single sequence's heads still spread over the threads. Which thread computes an item
+  // does not change its arithmetic.
   std::vector<int64_t> order(static_cast<size_t>(num_items));
   {
     std::vector<int64_t> cost(item_seq.size());
@@ -246,11 +249,14 @@ void attend(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& 
   }
   std::atomic<int64_t> next_item{0};
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), num_items);
+  const int64_t grab =
+      static_cast<int64_t>(item_seq.size()) >= 4 * workers ? num_kv_heads : 1;
 
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     const FlushDenormals ftz;
     std::vector<float> scores, acc;
-    for (int64_t k; (k = next_item.fetch_add(1, std::memory_order_relaxed)) < num_items;) {
+    for (int64_t k0; (k0 = next_item.fetch_add(grab, std::memory_order_relaxed)) < num_items;)
+    for (int64_t k = k0; k < std::min(k0 + grab, num_items); ++k) {
       const int64_t item = order[k];
       const int64_t tile = item / num_kv_heads, h = item % num_kv_heads;
       const int64_t b = item_seq[tile], t0 = item_row[tile];
