@@ -255,6 +255,7 @@ void attend(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& 
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     const FlushDenormals ftz;
     std::vector<float> scores, acc;
+    // Each take is `grab` consecutive entries of `order`, computed one item after another.
     for (int64_t k0; (k0 = next_item.fetch_add(grab, std::memory_order_relaxed)) < num_items;)
     for (int64_t k = k0; k < std::min(k0 + grab, num_items); ++k) {
       const int64_t item = order[k];
@@ -276,11 +277,13 @@ void attend(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& 
       const int64_t num_blocks = (max_len + block_size - 1) / block_size;
       // Blocks sit anywhere in the pool, out of the hardware prefetcher's sight: each pass
       // asks for block i + kAhead (and its scales) as it starts on block i.
+      // Where block i's head-h data start: keys or values, and their scales.
+      auto data_at = [&](int64_t i) { return table[i] * block_elems + h * head_elems; };
+      auto scale_at = [&](int64_t i) { return (table[i] * num_kv_heads + h) * block_size; };
       auto fetch = [&](const T* cache, const float* scales, int64_t i) {
         if (i >= num_blocks) return;
-        prefetch(cache + table[i] * block_elems + h * head_elems, head_elems * sizeof(T));
-        if (scales) prefetch(scales + (table[i] * num_kv_heads + h) * block_size,
-                             block_size * sizeof(float));
+        prefetch(cache + data_at(i), head_elems * sizeof(T));
+        if (scales) prefetch(scales + scale_at(i), block_size * sizeof(float));
       };
       for (int64_t i = 0; i < std::min<int64_t>(kAhead, num_blocks); ++i)
         fetch(k_ptr, ks_ptr, i);
@@ -296,8 +299,8 @@ void attend(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& 
         const int nb = blk + 1 < num_blocks ? 2 : 1;
         int64_t at[2], sat[2];  // the blocks' keys and scales of head h
         for (int b = 0; b < nb; ++b) {
-          at[b] = table[blk + b] * block_elems + h * head_elems;
-          sat[b] = (table[blk + b] * num_kv_heads + h) * block_size;
+          at[b] = data_at(blk + b);
+          sat[b] = scale_at(blk + b);
           fetch(k_ptr, ks_ptr, blk + b + kAhead);
         }
         for (int64_t c = 0; c < block_size; c += kLanes) {
@@ -351,11 +354,10 @@ void attend(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& 
       //    while every query vector of the item takes its share), then normalize.
       acc.assign(static_cast<size_t>(nq * head_dim), 0.f);
       for (int64_t blk = 0; blk < num_blocks; ++blk) {
-        const int64_t at = table[blk] * block_elems + h * head_elems;
+        const int64_t at = data_at(blk);
         fetch(v_ptr, vs_ptr, blk + kAhead);
         const int64_t j0 = blk * block_size;
-        const float* vs =
-            vs_ptr ? vs_ptr + (table[blk] * num_kv_heads + h) * block_size : nullptr;
+        const float* vs = vs_ptr ? vs_ptr + scale_at(blk) : nullptr;
         // The query vectors of one row share their keys: taken together, up to four.
         for (int64_t i = 0; i < nq; i += group) {
           const int64_t keys = std::min(block_size, qlen[i] - j0);
