@@ -25,3 +25,6 @@ LLMSERVE_CACHE_DIR: str = os.environ.get(
     "LLMSERVE_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "llmserve"))
 # "0" turns the compiled CPU kernels off: the pure PyTorch paths are used instead.
 LLMSERVE_CPU_KERNELS: bool = os.environ.get("LLMSERVE_CPU_KERNELS", "1") != "0"
+# "0" leaves glibc's malloc thresholds alone (see llmserve/host_memory.py): freed host
+# memory is then returned to the system and each CPU step faults its tensors in again.
+LLMSERVE_RETAIN_FREED_MEMORY: bool = os.environ.get("LLMSERVE_RETAIN_FREED_MEMORY", "1") != "0"

@@ -10,6 +10,7 @@ import torch
 from llmserve.attention.kv_format import kv_bytes_per_vector, resolve_kv_cache_dtype
 from llmserve.config import EngineConfig
 from llmserve.engine.request import Request, RequestStatus
+from llmserve.host_memory import retain_freed_memory
 from llmserve.kv_cache import KVCacheManager, KVCacheSpec, num_blocks_for_memory
 from llmserve.kv_cache.sizing import default_kv_cache_memory_gib, describe_capacity
 from llmserve.logger import get_logger
@@ -54,6 +55,7 @@ class EngineCore:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
         torch.set_num_threads(len(os.sched_getaffinity(0)))
+        retain_freed_memory()  # per-step tensors reuse freed memory instead of page-faulting
         torch.manual_seed(config.seed)
         mc = config.model
         self.loaded = loaded or load_model(mc.model, mc.device, quantization=mc.quantization,
