@@ -9,11 +9,14 @@ machines never hands one the other's binary.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
 import os
 import platform
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -41,14 +44,27 @@ def cpu_ops() -> ModuleType | None:
     build_dir = Path(envs.LLMSERVE_CACHE_DIR) / "kernels" / _build_key()
     build_dir.mkdir(parents=True, exist_ok=True)
     try:
-        return cpp_extension.load(
-            name="llmserve_cpu_ops", sources=[str(s) for s in _SOURCES],
-            extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"], build_directory=str(build_dir),
-            verbose=False)
+        with _build_lock(build_dir):
+            return cpp_extension.load(
+                name="llmserve_cpu_ops", sources=[str(s) for s in _SOURCES],
+                extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"],
+                build_directory=str(build_dir), verbose=False)
     except Exception as exc:  # no compiler, or a failed build: fall back, loudly
         logger.warning("C++ CPU kernels unavailable (%s); using the PyTorch fallbacks",
                        str(exc).strip().splitlines()[-1] if str(exc).strip() else exc)
         return None
+
+
+@contextlib.contextmanager
+def _build_lock(build_dir: Path) -> Iterator[None]:
+    """Processes building the same kernels queue on an flock, which the system releases
+    when its holder dies. torch's own lock is a file that a build killed midway (a server
+    stopped during its first start) leaves behind, and every later start would wait on it
+    forever; under the flock no other build is running, so such a file is stale."""
+    with open(build_dir / "build.flock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        (build_dir / "lock").unlink(missing_ok=True)
+        yield
 
 
 def _build_key() -> str:
