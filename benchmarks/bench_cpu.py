@@ -35,6 +35,7 @@ FORMATS = {
     "float32": {"quantization": "none"},
     "bfloat16": {"quantization": "none", "dtype": "bfloat16"},
     "int8": {"quantization": "int8"},
+    "w8a8": {"quantization": "w8a8"},
     "int4": {"quantization": "int4"},
 }
 

@@ -22,7 +22,7 @@ from llmserve.attention import get_attention_backend
 from llmserve.attention.backend import BatchLayout
 from llmserve.attention.kv_format import KV_CACHE_DTYPES, PagedKVCache
 from llmserve.csrc import cpu_ops
-from llmserve.layers.quantization import int4, int8
+from llmserve.layers.quantization import int4, int8, w8a8
 from llmserve.sample import ops as sample_ops
 
 HQ, HKV, D, BS = 9, 3, 64, 16
@@ -73,14 +73,15 @@ def linear_pair(fmt: str, batch: int, k: int, n: int, gen: torch.Generator
     """(compiled, PyTorch) calls of one [batch, k] x [k, n] layer in ``fmt``."""
     kernels = cpu_ops()
     x = torch.randn(batch, k, generator=gen)
-    if fmt == "int8":
+    if fmt in ("int8", "w8a8"):
+        levels, reference = (2, int8.int8_matmul) if fmt == "int8" else (1, w8a8.w8a8_matmul)
         w = torch.randint(-127, 128, (k, n), dtype=torch.int8, generator=gen)
         scale = torch.rand(n, generator=gen)
         packed, excess = int8.pack_vnni(w)
         padded_scale = torch.zeros(packed.shape[0] * 64)
         padded_scale[:n] = scale
-        return (lambda: kernels.int8_linear(x, packed, excess, padded_scale, n),
-                lambda: int8.int8_matmul(x, w, scale))
+        return (lambda: kernels.int8_linear(x, packed, excess, padded_scale, n, levels),
+                lambda: reference(x, w, scale))
     groups = k // 32
     q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen)
     scale, zero = torch.rand(n, groups, generator=gen), torch.rand(n, groups, generator=gen)
@@ -118,7 +119,7 @@ def main() -> None:
         ours, base = attention(args.batch, args.context, kv, args.repeats)
         print(f"| attention, {args.context} tokens of context, KV {kv} | {ours:.3f} | "
               f"{base:.3f} | {base / ours:.1f}x |", flush=True)
-    for fmt in ("int8", "int4"):
+    for fmt in ("int8", "w8a8", "int4"):
         ours, base = linear(args.batch, fmt, args.repeats)
         print(f"| {fmt} linear layers (qkv, o, gate_up, down) | {ours:.3f} | {base:.3f} | "
               f"{base / ours:.1f}x |", flush=True)

@@ -81,8 +81,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="context window (default: the model's)")
     p.add_argument("--quantization", choices=quantization_choices(), default="auto",
                    help="weight format of the decoder layers: int8 (per-channel scales), "
-                        "int4 (group-wise scales), none (dense --dtype); auto: what the file "
-                        "holds (a 4-bit GGUF loads as int4)")
+                        "w8a8 (int8 weights and int8 activations: faster at large batches, "
+                        "~4%% higher perplexity), int4 (group-wise scales), none (dense "
+                        "--dtype); auto: what the file holds (a 4-bit GGUF loads as int4)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
                    help="dtype of weights kept dense")
     p.add_argument("--int4-group-size", type=int, choices=INT4_GROUP_SIZES, default=32,

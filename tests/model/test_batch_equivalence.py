@@ -72,6 +72,7 @@ FORMATS = [
     pytest.param({}, id="float32"),
     pytest.param({"quantization": "int4"}, id="int4"),
     pytest.param({"quantization": "int8"}, id="int8", marks=pytest.mark.slow),
+    pytest.param({"quantization": "w8a8"}, id="w8a8", marks=pytest.mark.slow),
     pytest.param({"dtype": "bfloat16"}, id="bfloat16", marks=pytest.mark.slow),
     pytest.param({"kv_cache_dtype": "fp8_e4m3"}, id="kv-fp8", marks=pytest.mark.slow),
     pytest.param({"quantization": "int8", "kv_cache_dtype": "int8"}, id="int8-kv-int8",

@@ -1,9 +1,10 @@
 """The compiled VNNI kernels against plain PyTorch implementations of their arithmetic.
 
-int8: the kernel and the torch._int_mm path compute the same two-level activation split and
-the same float epilogue around exact integer sums; int4: ``int4_reference`` spells out the
-kernel's steps with torch ops. Either way the results must be bitwise equal: any difference
-is a bug (a packing slip, a lost tail channel, a wrong offset correction), not rounding.
+int8 and w8a8: the kernel and the torch._int_mm path compute the same activation levels
+(two, or one for w8a8) and the same float epilogue around exact integer sums; int4:
+``int4_reference`` spells out the kernel's steps with torch ops. Either way the results must
+be bitwise equal: any difference is a bug (a packing slip, a lost tail channel, a wrong
+offset correction), not rounding.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from llmserve.layers.quantization import WeightFormat
 from llmserve.layers.quantization.int4 import int4_reference, quantize_groups
 from llmserve.layers.quantization.int4 import pack_vnni as pack_int4
 from llmserve.layers.quantization.int8 import int8_matmul, pack_vnni, quantize_rows
+from llmserve.layers.quantization.w8a8 import w8a8_matmul
 
 ops = cpu_ops()
 pytestmark = pytest.mark.skipif(
@@ -36,22 +38,42 @@ def _activations(m: int, k: int, gen: torch.Generator) -> torch.Tensor:
 SHAPES = [(100, 64), (64, 4), (129, 12), (960, 576), (576, 1536)]
 
 
+@pytest.mark.parametrize(("levels", "reference"), [(2, int8_matmul), (1, w8a8_matmul)],
+                         ids=["int8", "w8a8"])
 @pytest.mark.parametrize(("n", "k"), SHAPES)
-def test_int8_kernel_equals_int_mm_bitwise(n: int, k: int):
+def test_int8_kernel_equals_int_mm_bitwise(n: int, k: int, levels: int, reference):
     gen = torch.Generator().manual_seed(n * k)
     q, w_scale = quantize_rows(torch.randn(n, k, generator=gen))
     weight_t = q.t().contiguous()
     packed, excess = pack_vnni(weight_t)
     padded_scale = torch.zeros(excess.shape[0])
     padded_scale[:n] = w_scale
-    for m in (0, 1, 2, 3, 4, 7, 64):
+    # Row counts around both tile heights (3 rows of two levels, 6 of one).
+    for m in (0, 1, 2, 3, 4, 5, 6, 7, 13, 64):
         x = _activations(m, k, gen)
-        got = ops.int8_linear(x, packed, excess, padded_scale, n)
-        assert torch.equal(got, int8_matmul(x, weight_t, w_scale)), f"{m} rows"
+        got = ops.int8_linear(x, packed, excess, padded_scale, n, levels)
+        assert torch.equal(got, reference(x, weight_t, w_scale)), f"{m} rows"
     # A strided input (rows of a wider tensor) reads the same values.
     wide = _activations(9, k + 8, gen)
-    assert torch.equal(ops.int8_linear(wide[:, :k], packed, excess, padded_scale, n),
-                       int8_matmul(wide[:, :k].contiguous(), weight_t, w_scale))
+    assert torch.equal(ops.int8_linear(wide[:, :k], packed, excess, padded_scale, n, levels),
+                       reference(wide[:, :k].contiguous(), weight_t, w_scale))
+
+
+def test_w8a8_is_int8_with_one_level():
+    """w8a8 drops only the residual level: its error against the float product is about
+    the one-level quantization step, the two-level int8's far below it."""
+    gen = torch.Generator().manual_seed(7)
+    w = torch.randn(96, 256, generator=gen)
+    q, w_scale = quantize_rows(w)
+    x = torch.randn(16, 256, generator=gen)
+    exact = x @ (q.float() * w_scale.unsqueeze(1)).t()
+    one = (w8a8_matmul(x, q.t().contiguous(), w_scale) - exact).abs().max()
+    two = (int8_matmul(x, q.t().contiguous(), w_scale) - exact).abs().max()
+    assert one > 20 * two
+    # one level: each input off by at most half a step of its row's scale
+    step = x.abs().amax(dim=1, keepdim=True) / 127
+    bound = (step / 2 * (q.float() * w_scale.unsqueeze(1)).abs().sum(dim=1)).max()
+    assert one <= bound
 
 
 def test_int8_packed_layer_keeps_embedding_and_fallback():
@@ -76,9 +98,11 @@ def test_int8_kernel_rejects_mismatched_shapes():
     q, _ = quantize_rows(torch.randn(64, 32))
     packed, excess = pack_vnni(q.t().contiguous())
     with pytest.raises(RuntimeError, match="input channels"):
-        ops.int8_linear(torch.randn(2, 36), packed, excess, torch.ones(64), 64)
+        ops.int8_linear(torch.randn(2, 36), packed, excess, torch.ones(64), 64, 2)
     with pytest.raises(RuntimeError, match="output channels"):
-        ops.int8_linear(torch.randn(2, 32), packed, excess, torch.ones(64), 65)
+        ops.int8_linear(torch.randn(2, 32), packed, excess, torch.ones(64), 65, 2)
+    with pytest.raises(RuntimeError, match="levels must be 1 or 2"):
+        ops.int8_linear(torch.randn(2, 32), packed, excess, torch.ones(64), 64, 3)
 
 
 # (out, in, group)

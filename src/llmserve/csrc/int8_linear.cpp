@@ -9,6 +9,8 @@
 // round((x - s x1) 254 / s)), both multiplied by the weights in exact int32 arithmetic, and
 // y = ((acc2 (1 / 254) + acc1) s) w_scale. Integer sums do not depend on their order, so the
 // result is bitwise the one of the torch._int_mm path, for any batch and any blocking.
+// With levels = 1 (the w8a8 format, w8a8.w8a8_matmul) only x1 is kept: y = (acc1 s) w_scale,
+// half the integer products.
 //
 // vpdpbusd takes one unsigned operand: the activations go in as x + 128 (1..255) and the
 // excess, 128 * sum_k w[n, k], is subtracted from each column's sum.
@@ -18,7 +20,7 @@
 
 #include <algorithm>
 #include <cstring>
-#include <vector>
+#include <memory>
 
 #include "ops.h"
 #include "vnni.h"
@@ -33,19 +35,19 @@ namespace {
 
 constexpr int kBlock = 16;          // output columns per vector: int32 lanes
 constexpr int kPanel = 4;           // column blocks per tile: 64 columns
-constexpr int kMaxTileRows = 3;     // activation rows per tile (6 integer rows, 24 sums)
+constexpr int kTileCodeRows = 6;    // integer rows per tile (24 sums in registers)
 constexpr int kPrefetch = 2048;     // bytes ahead of the weight stream
-// T activation rows (2T integer rows) times one panel of 64 output columns, then the
-// float epilogue into y[row, n0 .. n0 + cols).
-template <int T>
+// T activation rows of L levels (L T integer rows, a row's levels adjacent) times one
+// panel of 64 output columns, then the float epilogue into y[row, n0 .. n0 + cols).
+template <int T, int L>
 void tile(const uint8_t* q, const float* scales, int64_t k, const int8_t* panel,
           const int32_t* excess, const float* w_scale, float* y, int64_t y_stride,
           int64_t cols, bool prefetch) {
   // Every loop over registers is unrolled at compile time: indexed by a runtime value, GCC
   // would keep the accumulators on the stack.
-  __m512i acc[2 * T][kPanel];
+  __m512i acc[L * T][kPanel];
 #pragma GCC unroll 8
-  for (int r = 0; r < 2 * T; ++r)
+  for (int r = 0; r < L * T; ++r)
 #pragma GCC unroll 4
     for (int c = 0; c < kPanel; ++c) acc[r][c] = _mm512_setzero_si512();
   const int64_t quads = k / 4;
@@ -59,7 +61,7 @@ void tile(const uint8_t* q, const float* scales, int64_t k, const int8_t* panel,
     __m512i w[kPanel];
 #pragma GCC unroll 4
     for (int c = 0; c < kPanel; ++c) w[c] = _mm512_load_si512(wj + c * 64);
-    rows_times_weights<2 * T, kPanel, false>(acc, q, k, j, w);
+    rows_times_weights<L * T, kPanel, false>(acc, q, k, j, w);
   }
   // The epilogue straight from the registers; excess and w_scale are padded to the panel.
   const __m512 inv_residual = _mm512_set1_ps(1.f / kResidual);
@@ -71,11 +73,13 @@ void tile(const uint8_t* q, const float* scales, int64_t k, const int8_t* panel,
         left >= kBlock ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
     const __m512i ex = _mm512_loadu_si512(excess + c * kBlock);
     const __m512 ws = _mm512_loadu_ps(w_scale + c * kBlock);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int t = 0; t < T; ++t) {
-      const __m512 a1 = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[2 * t][c], ex));
-      const __m512 a2 = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[2 * t + 1][c], ex));
-      __m512 v = _mm512_add_ps(_mm512_mul_ps(a2, inv_residual), a1);
+      __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[L * t][c], ex));
+      if constexpr (L == 2) {
+        const __m512 a2 = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[2 * t + 1][c], ex));
+        v = _mm512_add_ps(_mm512_mul_ps(a2, inv_residual), v);
+      }
       v = _mm512_mul_ps(_mm512_mul_ps(v, _mm512_set1_ps(scales[t])), ws);
       _mm512_mask_storeu_ps(y + t * y_stride + c * kBlock, mask, v);
     }
@@ -84,12 +88,16 @@ void tile(const uint8_t* q, const float* scales, int64_t k, const int8_t* panel,
 
 using TileFn = void (*)(const uint8_t*, const float*, int64_t, const int8_t*,
                         const int32_t*, const float*, float*, int64_t, int64_t, bool);
-constexpr TileFn kTiles[kMaxTileRows + 1] = {nullptr, tile<1>, tile<2>, tile<3>};
+// kTiles[L - 1][T]: T rows of L levels, T up to kTileCodeRows / L.
+constexpr TileFn kTiles[2][kTileCodeRows + 1] = {
+    {nullptr, tile<1, 1>, tile<2, 1>, tile<3, 1>, tile<4, 1>, tile<5, 1>, tile<6, 1>},
+    {nullptr, tile<1, 2>, tile<2, 2>, tile<3, 2>, nullptr, nullptr, nullptr}};
 
 }  // namespace
 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& excess,
-                       const at::Tensor& w_scale, int64_t n) {
+                       const at::Tensor& w_scale, int64_t n, int64_t levels) {
+  TORCH_CHECK(levels == 1 || levels == 2, "levels must be 1 or 2, got ", levels);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
               "x must be a float32 [rows, in] tensor with contiguous rows");
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kChar &&
@@ -110,29 +118,35 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   auto y = at::empty({m, n}, x.options());
   if (m == 0) return y;
 
-  std::vector<uint8_t> q(2 * m * k);
-  std::vector<float> scales(m);
+  // Scratch without zero-filling (a std::vector would memset it on every call).
+  std::unique_ptr<uint8_t[]> q_buf(new uint8_t[levels * m * k]);
+  std::unique_ptr<float[]> scales_buf(new float[m]);
+  uint8_t* q = q_buf.get();
+  float* scales = scales_buf.get();
   const float* xp = x.data_ptr<float>();
   at::parallel_for(0, m, 8, [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
-      uint8_t* codes = q.data() + 2 * r * k;  // x1 + 128, then x2 + 128
-      scales[r] = split_row(xp + r * x.stride(0), k, 128, codes, codes + k);
+      uint8_t* codes = q + levels * r * k;  // x1 + 128, then x2 + 128 with two levels
+      scales[r] = split_row(xp + r * x.stride(0), k, 128, codes,
+                            levels == 2 ? codes + k : nullptr);
     }
   });
 
   // Work items: (panel, tile of rows), panel-major so that a thread runs the row tiles of
   // one panel back to back while its 64 columns of weights sit in cache.
-  const int64_t tiles = (m + kMaxTileRows - 1) / kMaxTileRows;
+  const int64_t tile_rows = kTileCodeRows / levels;
+  const TileFn* tiles_of = kTiles[levels - 1];
+  const int64_t tiles = (m + tile_rows - 1) / tile_rows;
   const int8_t* wp = packed.data_ptr<int8_t>();
   const int32_t* ep = excess.data_ptr<int32_t>();
   float* yp = y.data_ptr<float>();
   const float* ws = w_scale.data_ptr<float>();
   at::parallel_for(0, panels * tiles, 1, [&](int64_t b, int64_t e) {
     for (int64_t item = b; item < e; ++item) {
-      const int64_t p = item / tiles, t0 = (item % tiles) * kMaxTileRows;
-      const int64_t rows = std::min<int64_t>(kMaxTileRows, m - t0);
+      const int64_t p = item / tiles, t0 = (item % tiles) * tile_rows;
+      const int64_t rows = std::min<int64_t>(tile_rows, m - t0);
       const int64_t n0 = p * kPanel * kBlock;
-      kTiles[rows](q.data() + 2 * t0 * k, scales.data() + t0, k,
+      tiles_of[rows](q + levels * t0 * k, scales + t0, k,
                    wp + p * quads * kPanel * 64, ep + n0, ws + n0,
                    yp + t0 * n + n0, n, std::min<int64_t>(kPanel * kBlock, n - n0),
                    t0 == 0 || item == b);
@@ -144,7 +158,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
 #else  // no VNNI: vnni_supported() is false and callers use torch._int_mm
 
 at::Tensor int8_linear(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                       const at::Tensor&, int64_t) {
+                       const at::Tensor&, int64_t, int64_t) {
   TORCH_CHECK(false, "int8_linear needs AVX-512 VNNI");
 }
 

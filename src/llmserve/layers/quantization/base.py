@@ -132,7 +132,7 @@ def register_linear_method(name: str):
 
 
 def _load_builtin() -> None:
-    from llmserve.layers.quantization import dense, int4, int8  # noqa: F401
+    from llmserve.layers.quantization import dense, int4, int8, w8a8  # noqa: F401
 
 
 def get_linear_method_class(name: str) -> type[LinearMethod]:

@@ -43,14 +43,22 @@ def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` [M, K] -> (``s`` [M, 1], ``x1``) with ``x ~ s x1``: ``s = max|x| / 127`` per
+    row and ``x1 = round(x / s)``, rounded half to even, a float tensor of integers not yet
+    clamped to [-127, 127] (``split_levels`` takes its residual against the unclamped
+    value, as the compiled kernels do)."""
+    s = x.abs().amax(dim=1, keepdim=True).clamp_(min=torch.finfo(torch.float32).tiny)
+    s.div_(LEVELS)
+    return s, torch.round(x / s)
+
+
 def split_levels(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``x`` [M, K] -> (``s`` [M, 1], ``x1``, ``x2``) with ``x ~ s (x1 + x2 / 254)``:
     ``s = max|x| / 127``, ``x1 = round(x / s)``, ``x2 = round((x - s x1) 254 / s)``, both
     in [-127, 127] (float tensors holding integers). The compiled kernels do the same
     (``csrc/vnni.h``)."""
-    s = x.abs().amax(dim=1, keepdim=True).clamp_(min=torch.finfo(torch.float32).tiny)
-    s.div_(LEVELS)
-    x1 = torch.round(x / s)
+    s, x1 = quantize_activations(x)
     x2 = torch.round((x - x1 * s).mul_(RESIDUAL).div_(s))
     return s, x1.clamp_(-LEVELS, LEVELS), x2.clamp_(-LEVELS, LEVELS)
 
@@ -98,6 +106,8 @@ def _unpacked_view(packed: torch.Tensor) -> torch.Tensor:
 
 @register_linear_method("int8")
 class Int8Method(LinearMethod):
+    levels = 2  # int8 levels per activation row (w8a8: 1)
+    matmul = staticmethod(int8_matmul)  # the PyTorch path, and the kernel's reference
     _ops = None  # the compiled module once finalize() has packed the weights for it
     _kernel_args: tuple = ()
 
@@ -127,12 +137,12 @@ class Int8Method(LinearMethod):
         del layer.qweight_t
         # The kernel's arguments once more, as a tuple read on every call: nn.Module's
         # attribute lookup costs ~2 us a buffer, a third of a small layer's kernel time.
-        self._kernel_args = (packed, excess, w_scale, layer.out_features)
+        self._kernel_args = (packed, excess, w_scale, layer.out_features, self.levels)
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if self._ops is not None and x.dtype == torch.float32 and x.stride(-1) == 1:
             return self._ops.int8_linear(x, *self._kernel_args)
-        return int8_matmul(x, self._weight_t(layer), layer.w_scale[:layer.out_features])
+        return self.matmul(x, self._weight_t(layer), layer.w_scale[:layer.out_features])
 
     def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         # Row-major [T, K]: a transposed result would make later reductions over K depend
