@@ -40,6 +40,16 @@ FORMATS = {
 }
 
 
+def format_options(name: str) -> dict:
+    """A --formats entry, ``int8`` or ``int8+kv-int8`` (with a KV cache dtype), as LLM
+    keyword arguments."""
+    base, _, kv = name.partition("+kv-")
+    if base not in FORMATS:
+        raise SystemExit(f"unknown format {base!r}: choose from {', '.join(FORMATS)}, "
+                         "optionally followed by +kv-<KV cache dtype>")
+    return {**FORMATS[base], **({"kv_cache_dtype": kv} if kv else {})}
+
+
 def read_bandwidth_gbs(repeats: int) -> float:
     """Bytes per second of summing a 512 MiB float32 tensor (reads only), all threads."""
     x = torch.ones(128 * 2**20)
@@ -95,7 +105,7 @@ def measure_format(model: str, name: str, batches: list[int], bandwidth: float,
                    repeats: int) -> dict:
     llm = LLM(model, max_model_len=2048, max_num_seqs=max(batches),
               max_num_batched_tokens=max(batches) * 128, kv_cache_memory=1.0,
-              enable_prefix_caching=False, **FORMATS[name])
+              enable_prefix_caching=False, **format_options(name))
     llm.generate([[100, 200, 300]], SamplingParams(max_tokens=4))  # warm-up
     nbytes = head_and_body_bytes(llm)
     return {
@@ -122,13 +132,17 @@ def llama_cpp(model_path: Path, repeats: int) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=DEFAULT_MODEL)
-    p.add_argument("--formats", default=",".join(FORMATS))
+    p.add_argument("--formats", default=",".join(FORMATS),
+                   help="comma-separated weight formats, each optionally with a KV cache "
+                        "dtype: int8,w8a8+kv-int8 (default: every weight format, KV auto)")
     p.add_argument("--batches", default="1,8,32,64")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--llama-cpp", action="store_true")
     p.add_argument("--output", type=Path, default=None, help="write the figures as JSON")
     args = p.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
+    for name in args.formats.split(","):
+        format_options(name)  # refuse a typo before minutes of measuring
     threads = len(os.sched_getaffinity(0))
     report: dict = {"threads": threads, "torch": torch.__version__, "formats": {}}
     bandwidth = read_bandwidth_gbs(5)

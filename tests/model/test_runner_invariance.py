@@ -21,6 +21,7 @@ FORMATS = [  # (quantization, dtype, kv cache dtype)
     ("none", "float32", "float32"),
     ("none", "bfloat16", "bfloat16"),
     ("int8", "float32", "float32"),
+    ("w8a8", "float32", "float32"),
     ("int4", "float32", "float32"),
     ("none", "float32", "fp8_e4m3"),
     ("int4", "float32", "int8"),
