@@ -8,9 +8,9 @@ CPU time (`perf record`: exc_page_fault, clear_page_erms). Raising glibc's mmap 
 thresholds keeps freed blocks for the next step, as tcmalloc or jemalloc would (what
 PyTorch's CPU performance guides suggest preloading); with them the same decode faulted
 ~50 times a second. Tensors above MMAP_THRESHOLD (a large prefill's activations: 8192
-tokens x 3072 float32 is 100 MB) are still mapped and unmapped each step. The price is that memory freed by a step stays resident: after
-bench_cpu's batch-64 run (w8a8, int8 KV, 1 GiB pool; a 8192-token prefill step first)
-the process held 1858 MiB against 1484 without (peak 1920 against 1853).
+tokens x 3072 float32 is 100 MB) are still mapped and unmapped each step. The price is
+that memory freed by a step stays resident: after bench_cpu's batch-64 run (w8a8, int8
+KV, 1 GiB pool; a 8192-token prefill step first) the process held 1858 MiB against 1484 without (peak 1920 against 1853).
 LLMSERVE_RETAIN_FREED_MEMORY=0 trades the faults back for that memory.
 """
 
