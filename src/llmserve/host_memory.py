@@ -10,8 +10,9 @@ PyTorch's CPU performance guides suggest preloading); with them the same decode 
 ~50 times a second. Tensors above MMAP_THRESHOLD (a large prefill's activations: 8192
 tokens x 3072 float32 is 100 MB) are still mapped and unmapped each step. The price is
 that memory freed by a step stays resident: after bench_cpu's batch-64 run (w8a8, int8
-KV, 1 GiB pool; a 8192-token prefill step first) the process held 1858 MiB against 1484 without (peak 1920 against 1853).
-LLMSERVE_RETAIN_FREED_MEMORY=0 trades the faults back for that memory.
+KV, 1 GiB pool; a 8192-token prefill step first) the process held 1858 MiB against 1484
+without (peak 1920 against 1853). LLMSERVE_RETAIN_FREED_MEMORY=0 trades the faults back
+for that memory.
 """
 
 from __future__ import annotations
