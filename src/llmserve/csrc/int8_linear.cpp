@@ -6,9 +6,10 @@
 //
 // The arithmetic is the one of llmserve.layers.quantization.int8.int8_matmul, step for
 // step: each activation row is split into two int8 levels (x1 = round(x / s), x2 =
-// round((x - s x1) 254 / s)), both multiplied by the weights in exact int32 arithmetic, and
-// y = ((acc2 (1 / 254) + acc1) s) w_scale. Integer sums do not depend on their order, so the
-// result is bitwise the one of the torch._int_mm path, for any batch and any blocking.
+// round((x - s x1) 254 / s), each division a product by 1 / s), both multiplied by the
+// weights in exact int32 arithmetic, and y = ((acc2 (1 / 254) + acc1) s) w_scale. Integer
+// sums do not depend on their order, so the result is bitwise the one of the torch._int_mm
+// path, for any batch and any blocking.
 // With levels = 1 (the w8a8 format, w8a8.w8a8_matmul) only x1 is kept: y = (acc1 s) w_scale,
 // half the integer products.
 //
@@ -39,10 +40,12 @@ constexpr int kTileCodeRows = 6;    // integer rows per tile (24 sums in registe
 constexpr int kPrefetch = 2048;     // bytes ahead of the weight stream
 // T activation rows of L levels (L T integer rows, a row's levels adjacent) times one
 // panel of 64 output columns, then the float epilogue into y[row, n0 .. n0 + cols).
+// `ahead`: the first `ahead_lines` 64-byte lines of a slice of the next panel this thread
+// computes, fetched into L2 one per quad step while this panel computes from cache.
 template <int T, int L>
 void tile(const uint8_t* q, const float* scales, int64_t k, const int8_t* panel,
           const int32_t* excess, const float* w_scale, float* y, int64_t y_stride,
-          int64_t cols, bool prefetch) {
+          int64_t cols, bool prefetch, const int8_t* ahead, int64_t ahead_lines) {
   // Every loop over registers is unrolled at compile time: indexed by a runtime value, GCC
   // would keep the accumulators on the stack.
   __m512i acc[L * T][kPanel];
@@ -58,6 +61,8 @@ void tile(const uint8_t* q, const float* scales, int64_t k, const int8_t* panel,
       for (int c = 0; c < kPanel; ++c)
         _mm_prefetch(reinterpret_cast<const char*>(wj) + kPrefetch + 64 * c, _MM_HINT_T0);
     }
+    if (j < ahead_lines)
+      _mm_prefetch(reinterpret_cast<const char*>(ahead) + 64 * j, _MM_HINT_T1);
     __m512i w[kPanel];
 #pragma GCC unroll 4
     for (int c = 0; c < kPanel; ++c) w[c] = _mm512_load_si512(wj + c * 64);
@@ -87,7 +92,8 @@ void tile(const uint8_t* q, const float* scales, int64_t k, const int8_t* panel,
 }
 
 using TileFn = void (*)(const uint8_t*, const float*, int64_t, const int8_t*,
-                        const int32_t*, const float*, float*, int64_t, int64_t, bool);
+                        const int32_t*, const float*, float*, int64_t, int64_t, bool,
+                        const int8_t*, int64_t);
 // kTiles[L - 1][T]: T rows of L levels, T up to kTileCodeRows / L.
 constexpr TileFn kTiles[2][kTileCodeRows + 1] = {
     {nullptr, tile<1, 1>, tile<2, 1>, tile<3, 1>, tile<4, 1>, tile<5, 1>, tile<6, 1>},
@@ -141,15 +147,27 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   const int32_t* ep = excess.data_ptr<int32_t>();
   float* yp = y.data_ptr<float>();
   const float* ws = w_scale.data_ptr<float>();
+  // A panel's first pass waits on memory (one core alone draws a fraction of the machine's
+  // bandwidth). With rows for four tiles or more, each of a panel's row tiles instead
+  // fetches its share of the thread's next panel into L2, a line per quad step, so that the
+  // weights arrive while the tiles compute from cache. With fewer, the first pass streams
+  // its panel with a prefetch ahead of its own reads.
+  const int64_t panel_bytes = quads * kPanel * 64, panel_lines = panel_bytes / 64;
+  const bool spread = tiles >= kPanel;
+  const int64_t share_lines = (panel_lines + tiles - 1) / tiles;  // <= quads when spread
   at::parallel_for(0, panels * tiles, 1, [&](int64_t b, int64_t e) {
     for (int64_t item = b; item < e; ++item) {
-      const int64_t p = item / tiles, t0 = (item % tiles) * tile_rows;
+      const int64_t p = item / tiles, t = item % tiles, t0 = t * tile_rows;
       const int64_t rows = std::min<int64_t>(tile_rows, m - t0);
       const int64_t n0 = p * kPanel * kBlock;
-      tiles_of[rows](q + levels * t0 * k, scales + t0, k,
-                   wp + p * quads * kPanel * 64, ep + n0, ws + n0,
-                   yp + t0 * n + n0, n, std::min<int64_t>(kPanel * kBlock, n - n0),
-                   t0 == 0 || item == b);
+      const int64_t first_line = std::min(t * share_lines, panel_lines);
+      const int64_t ahead_lines = spread && (p + 1) * tiles < e
+                                      ? std::min(share_lines, panel_lines - first_line)
+                                      : 0;
+      tiles_of[rows](q + levels * t0 * k, scales + t0, k, wp + p * panel_bytes, ep + n0,
+                     ws + n0, yp + t0 * n + n0, n, std::min<int64_t>(kPanel * kBlock, n - n0),
+                     item == b || (t0 == 0 && !spread),
+                     wp + (p + 1) * panel_bytes + first_line * 64, ahead_lines);
     }
   });
   return y;

@@ -52,13 +52,14 @@ inline void rows_times_weights(__m512i (&acc)[R][C], const uint8_t* codes, int64
 }
 
 // One activation row x[0..k) split into two levels, 16 lanes at a time:
-//   s = max(max|x|, smallest normal float) / 127,
-//   x1 = round(x / s), x2 = round((x - s x1) 254 / s), each clamped to [-127, 127]
-// (rounding half to even; no fused multiply-add), bitwise the arithmetic of split_levels in
-// Python. x1 + bias goes to out1[0..k), x2 + bias to out2[0..k) (bias 128 makes them
-// vpdpbusd's unsigned operand); with out2 null only x1 is computed (one level, the
-// arithmetic of quantize_activations). With group_sums, the exact sum of 254 x1 + x2 over
-// each group of `group` inputs (a multiple of 16) goes to group_sums[g]. Returns s.
+//   s = max(max|x| / 127, smallest normal float) (1 / s is finite),
+//   x1 = round(x (1 / s)), x2 = round((x - s x1) 254 (1 / s)), each clamped to [-127, 127]
+// (rounding half to even; no fused multiply-add; 1 / s once per row, then products),
+// bitwise the arithmetic of split_levels in Python. x1 + bias goes to out1[0..k), x2 + bias
+// to out2[0..k) (bias 128 makes them vpdpbusd's unsigned operand); with out2 null only x1
+// is computed (one level, the arithmetic of quantize_activations). With group_sums, the
+// exact sum of 254 x1 + x2 over each group of `group` inputs (a multiple of 16) goes to
+// group_sums[g]. Returns s.
 inline float split_row(const float* x, int64_t k, int32_t bias, uint8_t* out1, uint8_t* out2,
                        int64_t group = 0, float* group_sums = nullptr) {
   auto tail = [k](int64_t i) {
@@ -69,22 +70,23 @@ inline float split_row(const float* x, int64_t k, int32_t bias, uint8_t* out1, u
   for (int64_t i = 0; i < k; i += 16)
     amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_maskz_loadu_ps(tail(i), x + i)));
   const float s =
-      std::max(_mm512_reduce_max_ps(amax), std::numeric_limits<float>::min()) / kLevels;
+      std::max(_mm512_reduce_max_ps(amax) / kLevels, std::numeric_limits<float>::min());
 
   constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-  const __m512 vs = _mm512_set1_ps(s), hi = _mm512_set1_ps(kLevels),
-               lo = _mm512_set1_ps(-kLevels), residual = _mm512_set1_ps(kResidual);
+  const __m512 vs = _mm512_set1_ps(s), inv = _mm512_set1_ps(1.f / s),
+               hi = _mm512_set1_ps(kLevels), lo = _mm512_set1_ps(-kLevels),
+               residual = _mm512_set1_ps(kResidual);
   const __m512i vbias = _mm512_set1_epi32(bias), v254 = _mm512_set1_epi32(254);
   __m512i sum = _mm512_setzero_si512();
   for (int64_t i = 0; i < k; i += 16) {
     const __mmask16 mask = tail(i);
     const __m512 v = _mm512_maskz_loadu_ps(mask, x + i);
-    const __m512 a = _mm512_roundscale_ps(_mm512_div_ps(v, vs), kNearest);
+    const __m512 a = _mm512_roundscale_ps(_mm512_mul_ps(v, inv), kNearest);
     const __m512i x1 = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(a, lo), hi));
     _mm512_mask_cvtepi32_storeu_epi8(out1 + i, mask, _mm512_add_epi32(x1, vbias));
     if (out2 == nullptr) continue;
     const __m512 b = _mm512_roundscale_ps(
-        _mm512_div_ps(_mm512_mul_ps(_mm512_sub_ps(v, _mm512_mul_ps(a, vs)), residual), vs),
+        _mm512_mul_ps(_mm512_mul_ps(_mm512_sub_ps(v, _mm512_mul_ps(a, vs)), residual), inv),
         kNearest);
     const __m512i x2 = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(b, lo), hi));
     _mm512_mask_cvtepi32_storeu_epi8(out2 + i, mask, _mm512_add_epi32(x2, vbias));

@@ -45,21 +45,22 @@ def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` [M, K] -> (``s`` [M, 1], ``x1``) with ``x ~ s x1``: ``s = max|x| / 127`` per
-    row and ``x1 = round(x / s)``, rounded half to even, a float tensor of integers not yet
-    clamped to [-127, 127] (``split_levels`` takes its residual against the unclamped
-    value, as the compiled kernels do)."""
-    s = x.abs().amax(dim=1, keepdim=True).clamp_(min=torch.finfo(torch.float32).tiny)
-    s.div_(LEVELS)
-    return s, torch.round(x / s)
+    row (at least the smallest normal float) and ``x1 = round(x (1 / s))``, rounded half to
+    even, a float tensor of integers not yet clamped to [-127, 127] (``split_levels`` takes
+    its residual against the unclamped value, as the compiled kernels do). A product by the
+    row's reciprocal, not a division: the kernels quantize at the speed of a multiply."""
+    s = x.abs().amax(dim=1, keepdim=True).div_(LEVELS)
+    s.clamp_(min=torch.finfo(torch.float32).tiny)  # a normal number: 1 / s stays finite
+    return s, torch.round(x * (1.0 / s))
 
 
 def split_levels(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``x`` [M, K] -> (``s`` [M, 1], ``x1``, ``x2``) with ``x ~ s (x1 + x2 / 254)``:
-    ``s = max|x| / 127``, ``x1 = round(x / s)``, ``x2 = round((x - s x1) 254 / s)``, both
-    in [-127, 127] (float tensors holding integers). The compiled kernels do the same
+    ``s = max|x| / 127``, ``x1 = round(x (1 / s))``, ``x2 = round((x - s x1) 254 (1 / s))``,
+    both in [-127, 127] (float tensors holding integers). The compiled kernels do the same
     (``csrc/vnni.h``)."""
     s, x1 = quantize_activations(x)
-    x2 = torch.round((x - x1 * s).mul_(RESIDUAL).div_(s))
+    x2 = torch.round((x - x1 * s).mul_(RESIDUAL).mul_(1.0 / s))
     return s, x1.clamp_(-LEVELS, LEVELS), x2.clamp_(-LEVELS, LEVELS)
 
 
