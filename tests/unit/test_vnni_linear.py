@@ -38,25 +38,38 @@ def _activations(m: int, k: int, gen: torch.Generator) -> torch.Tensor:
 SHAPES = [(100, 64), (64, 4), (129, 12), (960, 576), (576, 1536)]
 
 
-@pytest.mark.parametrize(("levels", "reference"), [(2, int8_matmul), (1, w8a8_matmul)],
-                         ids=["int8", "w8a8"])
+# (levels, inputs per activation scale: None = the row): int8; w8a8 with one scale per row,
+# per 64 inputs (the format's default), per 4 (the smallest the kernel takes).
+FORMATS = [(2, None), (1, None), (1, 64), (1, 4)]
+
+
+@pytest.mark.parametrize(("levels", "group"), FORMATS,
+                         ids=["int8", "w8a8-row", "w8a8-g64", "w8a8-g4"])
 @pytest.mark.parametrize(("n", "k"), SHAPES)
-def test_int8_kernel_equals_int_mm_bitwise(n: int, k: int, levels: int, reference):
+def test_int8_kernel_equals_int_mm_bitwise(n: int, k: int, levels: int, group: int | None):
+    group = group if group and k % group == 0 else k
     gen = torch.Generator().manual_seed(n * k)
     q, w_scale = quantize_rows(torch.randn(n, k, generator=gen))
     weight_t = q.t().contiguous()
-    packed, excess = pack_vnni(weight_t)
-    padded_scale = torch.zeros(excess.shape[0])
+    packed, excess = pack_vnni(weight_t, group)
+    padded_scale = torch.zeros(excess.shape[1])
     padded_scale[:n] = w_scale
+
+    def reference(x: torch.Tensor) -> torch.Tensor:
+        if levels == 2:
+            return int8_matmul(x, weight_t, w_scale)
+        return w8a8_matmul(x, weight_t, w_scale, group)
+
     # Row counts around both tile heights (3 rows of two levels, 6 of one).
     for m in (0, 1, 2, 3, 4, 5, 6, 7, 13, 64):
         x = _activations(m, k, gen)
-        got = ops.int8_linear(x, packed, excess, padded_scale, n, levels)
-        assert torch.equal(got, reference(x, weight_t, w_scale)), f"{m} rows"
+        got = ops.int8_linear(x, packed, excess, padded_scale, n, levels, group)
+        assert torch.equal(got, reference(x)), f"{m} rows"
     # A strided input (rows of a wider tensor) reads the same values.
     wide = _activations(9, k + 8, gen)
-    assert torch.equal(ops.int8_linear(wide[:, :k], packed, excess, padded_scale, n, levels),
-                       reference(wide[:, :k].contiguous(), weight_t, w_scale))
+    assert torch.equal(
+        ops.int8_linear(wide[:, :k], packed, excess, padded_scale, n, levels, group),
+        reference(wide[:, :k].contiguous()))
 
 
 def test_w8a8_is_int8_with_one_level():
@@ -74,6 +87,25 @@ def test_w8a8_is_int8_with_one_level():
     step = x.abs().amax(dim=1, keepdim=True) / 127
     bound = (step / 2 * (q.float() * w_scale.unsqueeze(1)).abs().sum(dim=1)).max()
     assert one <= bound
+
+
+def test_w8a8_groups_confine_an_outlier():
+    """With a scale per group of 64 inputs, an outlier coarsens only its own group: the
+    error is within each group's half step, and below one scale per row's (rounding errors
+    add up like a random walk: a quarter of the coarse inputs, about half the error)."""
+    gen = torch.Generator().manual_seed(8)
+    w = torch.randn(96, 256, generator=gen)
+    q, w_scale = quantize_rows(w)
+    w_q = q.float() * w_scale.unsqueeze(1)
+    x = torch.randn(16, 256, generator=gen)
+    x[:, 3] = 80.0  # an outlier channel, in the first group
+    exact = x @ w_q.t()
+    row = (w8a8_matmul(x, q.t().contiguous(), w_scale) - exact).abs()
+    grouped = (w8a8_matmul(x, q.t().contiguous(), w_scale, 64) - exact).abs()
+    step = x.view(16, 4, 64).abs().amax(dim=2, keepdim=True) / 127  # [16, 4, 1]
+    bound = torch.einsum("mg,ngk->mn", step.squeeze(2) / 2, w_q.abs().view(96, 4, 64))
+    assert (grouped <= bound).all()
+    assert grouped.mean() < 0.6 * row.mean()
 
 
 def test_int8_packed_layer_keeps_embedding_and_fallback():
@@ -98,11 +130,17 @@ def test_int8_kernel_rejects_mismatched_shapes():
     q, _ = quantize_rows(torch.randn(64, 32))
     packed, excess = pack_vnni(q.t().contiguous())
     with pytest.raises(RuntimeError, match="input channels"):
-        ops.int8_linear(torch.randn(2, 36), packed, excess, torch.ones(64), 64, 2)
+        ops.int8_linear(torch.randn(2, 36), packed, excess, torch.ones(64), 64, 2, 36)
     with pytest.raises(RuntimeError, match="output channels"):
-        ops.int8_linear(torch.randn(2, 32), packed, excess, torch.ones(64), 65, 2)
+        ops.int8_linear(torch.randn(2, 32), packed, excess, torch.ones(64), 65, 2, 32)
     with pytest.raises(RuntimeError, match="levels must be 1 or 2"):
-        ops.int8_linear(torch.randn(2, 32), packed, excess, torch.ones(64), 64, 3)
+        ops.int8_linear(torch.randn(2, 32), packed, excess, torch.ones(64), 64, 3, 32)
+    with pytest.raises(RuntimeError, match="activation group"):
+        ops.int8_linear(torch.randn(2, 32), packed, excess, torch.ones(64), 64, 1, 12)
+    with pytest.raises(RuntimeError, match="groups need one level"):
+        ops.int8_linear(torch.randn(2, 32), packed, excess, torch.ones(64), 64, 2, 16)
+    with pytest.raises(RuntimeError, match="excess"):  # packed for one group, called with 2
+        ops.int8_linear(torch.randn(2, 32), packed, excess, torch.ones(64), 64, 1, 16)
 
 
 # (out, in, group)

@@ -12,7 +12,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "residual += delta (in place); returns rms_norm(residual)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up for a fused [rows, 2 d] input");
   m.def("int8_linear", &int8_linear,
-        "x W^T for int8 W packed for VNNI, activations as one or two int8 levels");
+        "x W^T for int8 W packed for VNNI, activations as two int8 levels per row, or one "
+        "level with a scale per group of inputs");
   m.def("int4_linear", &int4_linear,
         "x W^T for int4 W (group scales and zeros) packed for VNNI, two-level int8 x");
   m.attr("has_vnni") = vnni_supported();

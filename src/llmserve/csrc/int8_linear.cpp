@@ -10,11 +10,14 @@
 // weights in exact int32 arithmetic, and y = ((acc2 (1 / 254) + acc1) s) w_scale. Integer
 // sums do not depend on their order, so the result is bitwise the one of the torch._int_mm
 // path, for any batch and any blocking.
-// With levels = 1 (the w8a8 format, w8a8.w8a8_matmul) only x1 is kept: y = (acc1 s) w_scale,
-// half the integer products.
+// With levels = 1 (the w8a8 format, w8a8.w8a8_matmul) only x1 is kept, half the integer
+// products, and each group of `group` inputs of a row has its own scale s_g:
+// y = (sum over g, in order, of acc_g s_g) w_scale. An outlier then coarsens only its own
+// group (with group = in, one scale per row).
 //
 // vpdpbusd takes one unsigned operand: the activations go in as x + 128 (1..255) and the
-// excess, 128 * sum_k w[n, k], is subtracted from each column's sum.
+// excess, 128 * sum_k w[n, k] over each group's inputs k, is subtracted from the column's
+// sum of that group.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -38,25 +41,38 @@ constexpr int kBlock = 16;          // output columns per vector: int32 lanes
 constexpr int kPanel = 4;           // column blocks per tile: 64 columns
 constexpr int kTileCodeRows = 6;    // integer rows per tile (24 sums in registers)
 constexpr int kPrefetch = 2048;     // bytes ahead of the weight stream
-// T activation rows of L levels (L T integer rows, a row's levels adjacent) times one
-// panel of 64 output columns, then the float epilogue into y[row, n0 .. n0 + cols).
-// `ahead`: the first `ahead_lines` 64-byte lines of a slice of the next panel this thread
-// computes, fetched into L2 one per quad step while this panel computes from cache.
-template <int T, int L>
-void tile(const uint8_t* q, const float* scales, int64_t k, const int8_t* panel,
-          const int32_t* excess, const float* w_scale, float* y, int64_t y_stride,
-          int64_t cols, bool prefetch, const int8_t* ahead, int64_t ahead_lines) {
-  // Every loop over registers is unrolled at compile time: indexed by a runtime value, GCC
-  // would keep the accumulators on the stack.
-  __m512i acc[L * T][kPanel];
+// What the tiles of one call share.
+struct Operands {
+  const uint8_t* q;       // activation codes: rows of L levels, each level k bytes
+  const float* scales;    // [rows][groups]: each row's scale per group of inputs
+  int64_t k, groups;      // groups > 1 only with one level
+  const int32_t* excess;  // [groups][out_padded]: 128 x the weights' sum over each group
+  int64_t out_padded;
+  const float* w_scale;   // [out_padded]
+  float* y;
+  int64_t n;              // y's columns (and row stride)
+};
+
+// T activation rows of L levels (L T integer rows, a row's levels adjacent), from row t0,
+// times the panel of 64 output columns from n0, into y[t0 .., n0 .. n0 + cols).
+// `prefetch`: the panel's first pass, from memory. `ahead`: the first `ahead_lines`
+// 64-byte lines of a slice of the next panel this thread computes, fetched into L2 one per
+// quad step while this panel computes from cache.
+// acc[r][c] = the int32 sums of quads [j0, j1) of R code rows with the panel's weights
+// (see tile for the prefetches). Inlined into its caller: that keeps acc in registers.
+template <int R>
+__attribute__((always_inline)) inline void sum_quads(__m512i (&acc)[R][kPanel],
+                                                     const uint8_t* q, int64_t k,
+                                                     const int8_t* panel, int64_t j0, int64_t j1,
+                                                     bool prefetch, const int8_t* ahead,
+                                                     int64_t ahead_lines) {
 #pragma GCC unroll 8
-  for (int r = 0; r < L * T; ++r)
+  for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
     for (int c = 0; c < kPanel; ++c) acc[r][c] = _mm512_setzero_si512();
-  const int64_t quads = k / 4;
-  for (int64_t j = 0; j < quads; ++j) {
+  for (int64_t j = j0; j < j1; ++j) {
     const int8_t* wj = panel + j * kPanel * 64;
-    if (prefetch) {  // the panel's first pass, from memory; later passes find it in cache
+    if (prefetch) {
 #pragma GCC unroll 4
       for (int c = 0; c < kPanel; ++c)
         _mm_prefetch(reinterpret_cast<const char*>(wj) + kPrefetch + 64 * c, _MM_HINT_T0);
@@ -66,34 +82,74 @@ void tile(const uint8_t* q, const float* scales, int64_t k, const int8_t* panel,
     __m512i w[kPanel];
 #pragma GCC unroll 4
     for (int c = 0; c < kPanel; ++c) w[c] = _mm512_load_si512(wj + c * 64);
-    rows_times_weights<L * T, kPanel, false>(acc, q, k, j, w);
+    rows_times_weights<R, kPanel, false>(acc, q, k, j, w);
   }
-  // The epilogue straight from the registers; excess and w_scale are padded to the panel.
-  const __m512 inv_residual = _mm512_set1_ps(1.f / kResidual);
-#pragma GCC unroll 4
-  for (int c = 0; c < kPanel; ++c) {
+}
+
+template <int T, int L>
+void tile(const Operands& op, int64_t t0, const int8_t* panel, int64_t n0, bool prefetch,
+          const int8_t* ahead, int64_t ahead_lines) {
+  const int64_t k = op.k, quads = k / 4, group_quads = quads / op.groups;
+  const uint8_t* q = op.q + L * t0 * k;
+  // Every loop over registers is unrolled at compile time: indexed by a runtime value, GCC
+  // would keep the accumulators on the stack.
+  __m512i acc[L * T][kPanel];
+  const int64_t cols = std::min<int64_t>(kPanel * kBlock, op.n - n0);
+  auto store = [&](int t, int c, __m512 v) {
     const int64_t left = cols - c * kBlock;
-    if (left <= 0) break;
-    const __mmask16 mask =
-        left >= kBlock ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
-    const __m512i ex = _mm512_loadu_si512(excess + c * kBlock);
-    const __m512 ws = _mm512_loadu_ps(w_scale + c * kBlock);
+    if (left <= 0) return;
+    const __mmask16 mask = left >= kBlock ? static_cast<__mmask16>(0xFFFF)
+                                          : static_cast<__mmask16>((1u << left) - 1);
+    _mm512_mask_storeu_ps(op.y + (t0 + t) * op.n + n0 + c * kBlock, mask, v);
+  };
+  if constexpr (L == 1) {
+    // y = (sum over groups g, in order, of (acc_g - excess_g) s_g) w_scale; the partial
+    // float sums wait in L1 while the next group's integer sums take the registers.
+    alignas(64) float partial[T][kPanel * kBlock];
+    for (int64_t g = 0; g < op.groups; ++g) {
+      sum_quads<T>(acc, q, k, panel, g * group_quads, (g + 1) * group_quads, prefetch, ahead,
+                   ahead_lines);
+#pragma GCC unroll 4
+      for (int c = 0; c < kPanel; ++c) {
+        const __m512i ex = _mm512_loadu_si512(op.excess + g * op.out_padded + n0 + c * kBlock);
 #pragma GCC unroll 8
-    for (int t = 0; t < T; ++t) {
-      __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[L * t][c], ex));
-      if constexpr (L == 2) {
-        const __m512 a2 = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[2 * t + 1][c], ex));
-        v = _mm512_add_ps(_mm512_mul_ps(a2, inv_residual), v);
+        for (int t = 0; t < T; ++t) {
+          __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[t][c], ex)),
+                                   _mm512_set1_ps(op.scales[(t0 + t) * op.groups + g]));
+          if (g > 0) v = _mm512_add_ps(_mm512_load_ps(partial[t] + c * kBlock), v);
+          _mm512_store_ps(partial[t] + c * kBlock, v);
+        }
       }
-      v = _mm512_mul_ps(_mm512_mul_ps(v, _mm512_set1_ps(scales[t])), ws);
-      _mm512_mask_storeu_ps(y + t * y_stride + c * kBlock, mask, v);
+    }
+#pragma GCC unroll 4
+    for (int c = 0; c < kPanel; ++c) {
+      const __m512 ws = _mm512_loadu_ps(op.w_scale + n0 + c * kBlock);
+#pragma GCC unroll 8
+      for (int t = 0; t < T; ++t)
+        store(t, c, _mm512_mul_ps(_mm512_load_ps(partial[t] + c * kBlock), ws));
+    }
+  } else {
+    // Two levels, one scale per row: y = ((acc2 (1 / 254) + acc1) s) w_scale, straight
+    // from the registers.
+    sum_quads<L * T>(acc, q, k, panel, 0, quads, prefetch, ahead, ahead_lines);
+    const __m512 inv_residual = _mm512_set1_ps(1.f / kResidual);
+#pragma GCC unroll 4
+    for (int c = 0; c < kPanel; ++c) {
+      const __m512i ex = _mm512_loadu_si512(op.excess + n0 + c * kBlock);
+      const __m512 ws = _mm512_loadu_ps(op.w_scale + n0 + c * kBlock);
+#pragma GCC unroll 8
+      for (int t = 0; t < T; ++t) {
+        const __m512 a1 = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[2 * t][c], ex));
+        const __m512 a2 = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[2 * t + 1][c], ex));
+        const __m512 v = _mm512_add_ps(_mm512_mul_ps(a2, inv_residual), a1);
+        store(t, c, _mm512_mul_ps(_mm512_mul_ps(v, _mm512_set1_ps(op.scales[t0 + t])), ws));
+      }
     }
   }
 }
 
-using TileFn = void (*)(const uint8_t*, const float*, int64_t, const int8_t*,
-                        const int32_t*, const float*, float*, int64_t, int64_t, bool,
-                        const int8_t*, int64_t);
+using TileFn = void (*)(const Operands&, int64_t, const int8_t*, int64_t, bool, const int8_t*,
+                        int64_t);
 // kTiles[L - 1][T]: T rows of L levels, T up to kTileCodeRows / L.
 constexpr TileFn kTiles[2][kTileCodeRows + 1] = {
     {nullptr, tile<1, 1>, tile<2, 1>, tile<3, 1>, tile<4, 1>, tile<5, 1>, tile<6, 1>},
@@ -102,7 +158,7 @@ constexpr TileFn kTiles[2][kTileCodeRows + 1] = {
 }  // namespace
 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& excess,
-                       const at::Tensor& w_scale, int64_t n, int64_t levels) {
+                       const at::Tensor& w_scale, int64_t n, int64_t levels, int64_t group) {
   TORCH_CHECK(levels == 1 || levels == 2, "levels must be 1 or 2, got ", levels);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
               "x must be a float32 [rows, in] tensor with contiguous rows");
@@ -117,24 +173,33 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   TORCH_CHECK(panels * kPanel * kBlock >= n && n > (panels - 1) * kPanel * kBlock,
               "packed holds ", panels * kPanel * kBlock, " output channels, not ", n,
               " padded to a multiple of 64");
-  TORCH_CHECK(excess.numel() == padded && excess.scalar_type() == at::kInt &&
+  TORCH_CHECK(group > 0 && group % 4 == 0 && k % group == 0,
+              "the activation group (", group, ") must be a multiple of 4 dividing ", k);
+  const int64_t groups = k / group;
+  TORCH_CHECK(groups == 1 || levels == 1, "activation groups need one level");
+  TORCH_CHECK(excess.numel() == groups * padded && excess.scalar_type() == at::kInt &&
               excess.is_contiguous() && w_scale.numel() == padded &&
               w_scale.scalar_type() == at::kFloat && w_scale.is_contiguous(),
-              "excess (int32) and w_scale (float32) must be [out_padded]");
+              "excess (int32) must be [in / group, out_padded], w_scale (float32) [out_padded]");
   auto y = at::empty({m, n}, x.options());
   if (m == 0) return y;
 
   // Scratch without zero-filling (a std::vector would memset it on every call).
   std::unique_ptr<uint8_t[]> q_buf(new uint8_t[levels * m * k]);
-  std::unique_ptr<float[]> scales_buf(new float[m]);
+  std::unique_ptr<float[]> scales_buf(new float[m * groups]);
   uint8_t* q = q_buf.get();
   float* scales = scales_buf.get();
   const float* xp = x.data_ptr<float>();
   at::parallel_for(0, m, 8, [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
       uint8_t* codes = q + levels * r * k;  // x1 + 128, then x2 + 128 with two levels
-      scales[r] = split_row(xp + r * x.stride(0), k, 128, codes,
-                            levels == 2 ? codes + k : nullptr);
+      const float* row = xp + r * x.stride(0);
+      if (levels == 2)
+        scales[r] = split_row(row, k, 128, codes, codes + k);
+      else  // each group of the row quantized with its own scale
+        for (int64_t g = 0; g < groups; ++g)
+          scales[r * groups + g] =
+              split_row(row + g * group, group, 128, codes + g * group, nullptr);
     }
   });
 
@@ -144,9 +209,8 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   const TileFn* tiles_of = kTiles[levels - 1];
   const int64_t tiles = (m + tile_rows - 1) / tile_rows;
   const int8_t* wp = packed.data_ptr<int8_t>();
-  const int32_t* ep = excess.data_ptr<int32_t>();
-  float* yp = y.data_ptr<float>();
-  const float* ws = w_scale.data_ptr<float>();
+  const Operands op{q,       scales, k, groups, excess.data_ptr<int32_t>(), padded,
+                    w_scale.data_ptr<float>(), y.data_ptr<float>(), n};
   // A panel's first pass waits on memory (one core alone draws a fraction of the machine's
   // bandwidth). With rows for four tiles or more, each of a panel's row tiles instead
   // fetches its share of the thread's next panel into L2, a line per quad step, so that the
@@ -158,16 +222,13 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   at::parallel_for(0, panels * tiles, 1, [&](int64_t b, int64_t e) {
     for (int64_t item = b; item < e; ++item) {
       const int64_t p = item / tiles, t = item % tiles, t0 = t * tile_rows;
-      const int64_t rows = std::min<int64_t>(tile_rows, m - t0);
-      const int64_t n0 = p * kPanel * kBlock;
       const int64_t first_line = std::min(t * share_lines, panel_lines);
       const int64_t ahead_lines = spread && (p + 1) * tiles < e
                                       ? std::min(share_lines, panel_lines - first_line)
                                       : 0;
-      tiles_of[rows](q + levels * t0 * k, scales + t0, k, wp + p * panel_bytes, ep + n0,
-                     ws + n0, yp + t0 * n + n0, n, std::min<int64_t>(kPanel * kBlock, n - n0),
-                     item == b || (t0 == 0 && !spread),
-                     wp + (p + 1) * panel_bytes + first_line * 64, ahead_lines);
+      tiles_of[std::min<int64_t>(tile_rows, m - t0)](
+          op, t0, wp + p * panel_bytes, p * kPanel * kBlock, item == b || (t0 == 0 && !spread),
+          wp + (p + 1) * panel_bytes + first_line * 64, ahead_lines);
     }
   });
   return y;
@@ -176,7 +237,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
 #else  // no VNNI: vnni_supported() is false and callers use torch._int_mm
 
 at::Tensor int8_linear(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                       const at::Tensor&, int64_t, int64_t) {
+                       const at::Tensor&, int64_t, int64_t, int64_t) {
   TORCH_CHECK(false, "int8_linear needs AVX-512 VNNI");
 }
 

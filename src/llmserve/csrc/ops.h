@@ -33,7 +33,8 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up);
 at::Tensor argmax_rows(const at::Tensor& x);
 bool vnni_supported();
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& excess,
-                       const at::Tensor& w_scale, int64_t out_features, int64_t levels);
+                       const at::Tensor& w_scale, int64_t out_features, int64_t levels,
+                       int64_t group);
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed,
                        const at::Tensor& scale_zero, int64_t group, int64_t out_features);
 void rotary_embedding_(at::Tensor& q, at::Tensor& k, const at::Tensor& positions,

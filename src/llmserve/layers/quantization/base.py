@@ -85,7 +85,7 @@ class WeightFormat:
     ``quantization`` names the method of the decoder layers' linear projections;
     ``dtype`` is the dtype of weights kept dense; the vocabulary embedding and output head
     use ``head_quantization`` (8 bits when the body is quantized, as llama.cpp keeps
-    token embeddings at Q8_0 in its 4-bit files).
+    token embeddings at Q8_0 in its 4-bit files; w8a8's own activation groups with w8a8).
     """
 
     quantization: str = "none"
@@ -108,7 +108,7 @@ class WeightFormat:
 
     @property
     def head_quantization(self) -> str:
-        return "none" if self.quantization == "none" else "int8"
+        return self.quantization if self.quantization in ("none", "w8a8") else "int8"
 
     def linear_method(self, in_features: int) -> LinearMethod:
         name = self.quantization
@@ -117,6 +117,10 @@ class WeightFormat:
         return get_linear_method_class(name)(self)
 
     def head_method(self) -> LinearMethod:
+        if self.head_quantization == "w8a8":
+            from llmserve.layers.quantization.w8a8 import W8A8HeadMethod
+
+            return W8A8HeadMethod(self)
         return get_linear_method_class(self.head_quantization)(self)
 
 

@@ -78,24 +78,27 @@ def int8_matmul(x: torch.Tensor, weight_t: torch.Tensor, w_scale: torch.Tensor) 
     return acc[m:].mul_(1 / RESIDUAL).add_(acc[:m]).mul_(s).mul_(w_scale)
 
 
-def pack_vnni(weight_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``weight_t`` [K, N] int8 -> (packed [N' / 64, K / 4, 256] int8, excess [N'] int32),
-    ``N'`` = N rounded up to 64 (zero channels).
+def pack_vnni(weight_t: torch.Tensor, group: int | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight_t`` [K, N] int8 -> (packed [N' / 64, K / 4, 256] int8, excess [K / group,
+    N'] int32), ``N'`` = N rounded up to 64 (zero channels); ``group`` defaults to K.
 
     The compiled kernel's layout: panels of 64 output channels, each [K / 4][4][16][4] (16
     output channels x 4 input channels per 64 bytes), in the order the kernel reads them.
-    ``excess[n] = 128 sum_k W[n, k]``: what the kernel's unsigned activations (x + 128) add
-    to column ``n``, taken back after the integer sum.
+    ``excess[g, n] = 128 sum W[n, k]`` over the inputs ``k`` of group ``g``: what the
+    kernel's unsigned activations (x + 128) add to column ``n``'s sum of that group, taken
+    back after the integer sum.
     """
     k, n = weight_t.shape
+    group = group or k
     w = torch.zeros(padded(n), k, dtype=torch.int8)
     w[:n] = weight_t.t()
     panels = w.shape[0] // PANEL
     packed = aligned_empty((panels, k // QUAD, PANEL * QUAD), torch.int8)
     packed.view(panels, k // QUAD, PANEL // LANES, LANES, QUAD).copy_(
         w.view(panels, PANEL // LANES, LANES, k // QUAD, QUAD).permute(0, 3, 1, 2, 4))
-    excess = w.sum(dim=1, dtype=torch.int32).mul_(128)
-    return packed, excess
+    excess = w.view(w.shape[0], k // group, group).sum(dim=2, dtype=torch.int32).mul_(128)
+    return packed, excess.t().contiguous()
 
 
 def _unpacked_view(packed: torch.Tensor) -> torch.Tensor:
@@ -111,6 +114,10 @@ class Int8Method(LinearMethod):
     matmul = staticmethod(int8_matmul)  # the PyTorch path, and the kernel's reference
     _ops = None  # the compiled module once finalize() has packed the weights for it
     _kernel_args: tuple = ()
+
+    def activation_group(self, in_features: int) -> int:
+        """Inputs per activation scale: the whole row (w8a8 takes smaller groups)."""
+        return in_features
 
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int) -> None:
         # Stored [K, N]: the layout torch._int_mm streams fastest.
@@ -129,16 +136,17 @@ class Int8Method(LinearMethod):
             self._ops = vnni_ops(layer.qweight_t.device)
         if self._ops is None:
             return
-        packed, excess = pack_vnni(layer.qweight_t)
+        group = self.activation_group(layer.in_features)
+        packed, excess = pack_vnni(layer.qweight_t, group)
         layer.register_buffer("qweight_vnni", packed)
         layer.register_buffer("vnni_excess", excess)
-        w_scale = torch.zeros(excess.shape[0])
+        w_scale = torch.zeros(excess.shape[1])
         w_scale[:layer.w_scale.shape[0]] = layer.w_scale
         layer.register_buffer("w_scale", w_scale)  # padded like the packed columns
         del layer.qweight_t
         # The kernel's arguments once more, as a tuple read on every call: nn.Module's
         # attribute lookup costs ~2 us a buffer, a third of a small layer's kernel time.
-        self._kernel_args = (packed, excess, w_scale, layer.out_features, self.levels)
+        self._kernel_args = (packed, excess, w_scale, layer.out_features, self.levels, group)
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if self._ops is not None and x.dtype == torch.float32 and x.stride(-1) == 1:
