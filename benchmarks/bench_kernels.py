@@ -74,14 +74,18 @@ def linear_pair(fmt: str, batch: int, k: int, n: int, gen: torch.Generator
     kernels = cpu_ops()
     x = torch.randn(batch, k, generator=gen)
     if fmt in ("int8", "w8a8"):
-        levels, reference = (2, int8.int8_matmul) if fmt == "int8" else (1, w8a8.w8a8_matmul)
+        levels, group = (2, k) if fmt == "int8" else (1, w8a8.activation_group(k, w8a8.BODY_GROUP))
         w = torch.randint(-127, 128, (k, n), dtype=torch.int8, generator=gen)
         scale = torch.rand(n, generator=gen)
-        packed, excess = int8.pack_vnni(w)
+        packed, excess = int8.pack_vnni(w, group)
         padded_scale = torch.zeros(packed.shape[0] * 64)
         padded_scale[:n] = scale
-        return (lambda: kernels.int8_linear(x, packed, excess, padded_scale, n, levels),
-                lambda: reference(x, w, scale))
+        if fmt == "int8":
+            reference = lambda: int8.int8_matmul(x, w, scale)  # noqa: E731
+        else:
+            reference = lambda: w8a8.w8a8_matmul(x, w, scale, group)  # noqa: E731
+        return (lambda: kernels.int8_linear(x, packed, excess, padded_scale, n, levels, group),
+                reference)
     groups = k // 32
     q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen)
     scale, zero = torch.rand(n, groups, generator=gen), torch.rand(n, groups, generator=gen)

@@ -1,16 +1,17 @@
 """w8a8: int8 weights (per output channel) times int8 activations (dynamic, one scale per
-group of 64 inputs of a row).
+group of inputs of a row).
 
 The weights are int8's, packed the same way. Each activation row is quantized once to
-int8, each group of ``ACTIVATION_GROUP`` inputs with its own scale, ``x ~ s_g round(x /
-s_g)``, ``s_g = max|x_g| / 127``, where int8 keeps one scale per row and the rounding
-residual as a second level. Half the integer products, so about twice the speed where the
-products are the bound (large batches, long prefills; a single row reads the same weight
-bytes and runs at the same speed). The groups cost a float multiply-add of the partial
-sums per group and keep an outlier from coarsening the whole row: on SmolLM2-135M one
-scale per row cost +3.7% perplexity against float32, scales per 64 inputs +1.6% with the
-output head on them too (int8: +0.7%; benchmarks/perplexity.py, BENCHMARKS.md). Widths that
-64 does not divide keep one scale per row.
+int8, each group of at most ``BODY_GROUP`` inputs (``HEAD_GROUP`` in the output head) with
+its own scale, ``x ~ s_g round(x / s_g)``, ``s_g = max|x_g| / 127``, where int8 keeps one
+scale per row and the rounding residual as a second level. Half the integer products, so
+about twice the speed where the products are the bound (large batches, long prefills; a
+single row reads the same weight bytes and runs at the same speed). The groups cost a
+float multiply-add of the partial sums per group and keep an outlier from coarsening the
+whole row: on SmolLM2-135M's perplexity against float32, one scale per row (with int8's
+two-level head) cost +3.7%, these groups +2.0% with the head on w8a8 as well (int8: +0.7%;
+benchmarks/perplexity.py, BENCHMARKS.md). A width no group of a multiple of 4 divides
+keeps one scale per row.
 
 Row-invariant for the same reason as int8: exact integer sums, elementwise float steps in
 a fixed order.
