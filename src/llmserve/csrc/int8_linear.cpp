@@ -53,13 +53,8 @@ struct Operands {
   int64_t n;              // y's columns (and row stride)
 };
 
-// T activation rows of L levels (L T integer rows, a row's levels adjacent), from row t0,
-// times the panel of 64 output columns from n0, into y[t0 .., n0 .. n0 + cols).
-// `prefetch`: the panel's first pass, from memory. `ahead`: the first `ahead_lines`
-// 64-byte lines of a slice of the next panel this thread computes, fetched into L2 one per
-// quad step while this panel computes from cache.
 // acc[r][c] = the int32 sums of quads [j0, j1) of R code rows with the panel's weights
-// (see tile for the prefetches). Inlined into its caller: that keeps acc in registers.
+// (the prefetches: see tile). Inlined into its caller: that keeps acc in registers.
 template <int R>
 __attribute__((always_inline)) inline void sum_quads(__m512i (&acc)[R][kPanel],
                                                      const uint8_t* q, int64_t k,
@@ -86,6 +81,11 @@ __attribute__((always_inline)) inline void sum_quads(__m512i (&acc)[R][kPanel],
   }
 }
 
+// T activation rows of L levels (L T integer rows, a row's levels adjacent), from row t0,
+// times the panel of 64 output columns from n0, into y[t0 .., n0 .. n0 + cols).
+// `prefetch`: the panel's first pass, from memory. `ahead`: the first `ahead_lines`
+// 64-byte lines of a slice of the next panel this thread computes, fetched into L2 one per
+// quad step while this panel computes from cache.
 template <int T, int L>
 void tile(const Operands& op, int64_t t0, const int8_t* panel, int64_t n0, bool prefetch,
           const int8_t* ahead, int64_t ahead_lines) {
