@@ -7,10 +7,11 @@ first extension module loaded under a name, whatever its path.
     python benchmarks/attention_ab.py OLD.so NEW.so [--runs 3] [--iters 20]
 
 A build is the ``llmserve_cpu_ops.so`` under ``$LLMSERVE_CACHE_DIR/kernels/<hash>/`` (one
-directory per version of the sources). Cases: one layer of SmolLM2's attention (9 query
-and 3 KV heads of 64, blocks of 16 scattered over a pool twice the size they need) for
-decodes of equal or ShareGPT-like lengths, decodes beside a prefill chunk, and prefill
-alone; float32 and int8 caches.
+directory per version of the sources); builds from before the five-dimensional cache layout
+(session 16) read another layout and cannot be compared with this script. Cases: one layer
+of SmolLM2's attention (9 query and 3 KV heads of 64, blocks of 16 scattered over a pool
+twice the size they need) for decodes of equal or ShareGPT-like lengths, decodes beside a
+prefill chunk, and prefill alone; float32 and int8 caches.
 """
 
 from __future__ import annotations
@@ -22,6 +23,10 @@ import subprocess
 import sys
 import time
 from collections import defaultdict
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 HQ, HKV, D, BS = 9, 3, 64, 16
 
@@ -38,9 +43,60 @@ def cases() -> dict[str, tuple[list[int], tuple[int, int] | None]]:
     }
 
 
-def run_build(path: str, iters: int) -> None:
+def random_cache(dtype: str, pool: int, gen: torch.Generator, pairs: bool = True):
+    """Random keys, values and scales of a pool of blocks in kv_format's layout, keys
+    [pool, Hkv, D / P, BS, P] and values [pool, Hkv, BS / P, D, P]: P = 2 for int8 (unless
+    ``pairs`` is False: then the kernel's float path), else 1."""
     import torch
 
+    p = 2 if dtype == "int8" and pairs else 1
+    key_shape, value_shape = (pool, HKV, D // p, BS, p), (pool, HKV, BS // p, D, p)
+    if dtype == "int8":
+        key = torch.randint(-127, 128, key_shape, dtype=torch.int8, generator=gen)
+        value = torch.randint(-127, 128, value_shape, dtype=torch.int8, generator=gen)
+        scales = tuple(torch.rand(pool, HKV, BS, generator=gen) * 0.02 for _ in "kv")
+        return key, value, scales
+    return torch.randn(key_shape, generator=gen), torch.randn(value_shape, generator=gen), (
+        None, None)
+
+
+def make_args(dtype: str, lens: list[int], chunk: tuple[int, int] | None,
+              pairs: bool = True) -> tuple:
+    """paged_attention's arguments for decodes of context lengths ``lens`` (and a prefill
+    chunk): blocks scattered over a pool twice the size they need."""
+    import torch
+
+    seqs = [(1, n) for n in lens] + ([(chunk[0], chunk[1] + chunk[0])] if chunk else [])
+    max_blocks = max(-(-n // BS) for _, n in seqs)
+    pool = sum(-(-n // BS) for _, n in seqs) * 2
+    gen = torch.Generator().manual_seed(0)
+    key, value, scales = random_cache(dtype, pool, gen, pairs)
+    perm = torch.randperm(pool, generator=gen).tolist()
+    tables = torch.zeros(len(seqs), max_blocks, dtype=torch.long)
+    starts, positions, used = [0], [], 0
+    for i, (rows, n) in enumerate(seqs):
+        nb = -(-n // BS)
+        tables[i, :nb] = torch.tensor(perm[used:used + nb])
+        used += nb
+        starts.append(starts[-1] + rows)
+        positions += range(n - rows, n)
+    q = torch.randn(starts[-1], HQ, D, generator=gen)
+    return (q, key, value, *scales, tables, torch.tensor(starts), torch.tensor(positions),
+            D ** -0.5)
+
+
+def best_time(ops, args: tuple, iters: int) -> float:
+    """Fastest of ``iters`` calls, after one to warm up."""
+    ops.paged_attention(*args)
+    best = float("inf")
+    for _ in range(iters):
+        start = time.perf_counter()
+        ops.paged_attention(*args)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def run_build(path: str, iters: int) -> None:
     import llmserve  # noqa: F401  (environment before torch's first use)
 
     spec = importlib.util.spec_from_file_location("llmserve_cpu_ops", path)
@@ -48,38 +104,7 @@ def run_build(path: str, iters: int) -> None:
     spec.loader.exec_module(ops)
     for dtype in ("float32", "int8"):
         for name, (lens, chunk) in cases().items():
-            seqs = [(1, n) for n in lens] + ([(chunk[0], chunk[1] + chunk[0])] if chunk else [])
-            max_blocks = max(-(-n // BS) for _, n in seqs)
-            pool = sum(-(-n // BS) for _, n in seqs) * 2
-            gen = torch.Generator().manual_seed(0)
-            if dtype == "int8":
-                key = torch.randint(-127, 128, (pool, HKV, D, BS), dtype=torch.int8,
-                                    generator=gen)
-                value = torch.randint(-127, 128, (pool, HKV, BS, D), dtype=torch.int8,
-                                      generator=gen)
-                scales = tuple(torch.rand(pool, HKV, BS, generator=gen) * 0.02 for _ in "kv")
-            else:
-                key = torch.randn(pool, HKV, D, BS, generator=gen)
-                value = torch.randn(pool, HKV, BS, D, generator=gen)
-                scales = (None, None)
-            perm = torch.randperm(pool, generator=gen).tolist()
-            tables = torch.zeros(len(seqs), max_blocks, dtype=torch.long)
-            starts, positions, used = [0], [], 0
-            for i, (rows, n) in enumerate(seqs):
-                nb = -(-n // BS)
-                tables[i, :nb] = torch.tensor(perm[used:used + nb])
-                used += nb
-                starts.append(starts[-1] + rows)
-                positions += range(n - rows, n)
-            q = torch.randn(starts[-1], HQ, D, generator=gen)
-            args = (q, key, value, *scales, tables, torch.tensor(starts),
-                    torch.tensor(positions), D ** -0.5)
-            ops.paged_attention(*args)
-            best = float("inf")
-            for _ in range(iters):
-                start = time.perf_counter()
-                ops.paged_attention(*args)
-                best = min(best, time.perf_counter() - start)
+            best = best_time(ops, make_args(dtype, lens, chunk), iters)
             print(f"{dtype}|{name}|{best * 1e3:.4f}", flush=True)
 
 

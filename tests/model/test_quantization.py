@@ -148,6 +148,25 @@ KV_BOUNDS = [("float32", 0.0), ("bfloat16", 2**-8), ("int8", 0.5 / 127 + 1e-6),
              ("fp8_e4m3", 2**-4)]
 
 
+def test_int8_cache_stores_pairs():
+    """int8 keeps two elements side by side (the compiled kernel's 16-bit dot products):
+    a key's dimensions 2i, 2i+1 together, and one dimension of tokens 2j, 2j+1 of a value.
+    An odd block size keeps one element at a time, like the other formats."""
+    cache = PagedKVCache.allocate("int8", num_blocks=3, block_size=4, num_kv_heads=2,
+                                  head_dim=8, device=torch.device("cpu"))
+    assert cache.pack == 2 and cache.key.shape == (3, 2, 4, 4, 2)
+    assert cache.value.shape == (3, 2, 2, 8, 2)
+    k = torch.arange(2 * 8, dtype=torch.float32).view(1, 2, 8) - 7
+    v = -k
+    cache.store(torch.tensor([7]), k, v)  # block 1, offset 3
+    scale = cache.key_scale[1, :, 3].view(2, 1)
+    codes = torch.round(k[0] / scale).to(torch.int8)  # [Hkv, D]
+    assert torch.equal(cache.key[1, :, :, 3, :].reshape(2, 8), codes)
+    assert torch.equal(cache.value[1, :, 1, :, 1], torch.round(v[0] / scale).to(torch.int8))
+    odd = PagedKVCache.allocate("int8", 3, 1, 2, 8, torch.device("cpu"))
+    assert odd.pack == 1 and odd.key.shape == (3, 2, 8, 1, 1)
+
+
 @pytest.mark.parametrize(("name", "bound"), KV_BOUNDS, ids=lambda v: str(v))
 def test_kv_cache_round_trip(name, bound):
     cache = PagedKVCache.allocate(name, num_blocks=6, block_size=4, num_kv_heads=2,

@@ -1,7 +1,8 @@
 """The paged attention backends: a sequence's output rows are bitwise the same alone and
 batched with sequences of other lengths (which changes the padded key length of a group),
 with SmolLM2's head layout (9 query heads over 3 KV heads of 64); and each backend agrees
-with a float64 softmax(q k^T) v per row, for every KV cache format."""
+with a float64 softmax(q k^T) v per row, for every KV cache format (with an int8 cache the
+compiled kernel's integer dot products round q to 16 bits, and so does its reference)."""
 
 from __future__ import annotations
 
@@ -46,15 +47,15 @@ def _run(backend_name: str, seqs: list[tuple[int, int, list[int]]], cache: Paged
     layout = BatchLayout(torch.cat(slots), torch.tensor(tables), torch.cat(positions),
                          query_lens, seq_lens, BS)
     out = backend.forward(torch.cat(qs), torch.cat(ks), torch.cat(vs), cache,
-                          backend.build_metadata(layout), D**-0.5)
+                          backend.build_metadata(layout), cache.head_dim**-0.5)
     return out.split(query_lens)
 
 
-def _problem(lengths: dict[int, int]):
+def _problem(lengths: dict[int, int], d: int = D):
     gen = torch.Generator().manual_seed(0)
-    kv = {s: (torch.randn(n, HKV, D, generator=gen), torch.randn(n, HKV, D, generator=gen))
+    kv = {s: (torch.randn(n, HKV, d, generator=gen), torch.randn(n, HKV, d, generator=gen))
           for s, n in lengths.items()}
-    q = {s: torch.randn(n, HQ, D, generator=gen) for s, n in lengths.items()}
+    q = {s: torch.randn(n, HQ, d, generator=gen) for s, n in lengths.items()}
     blocks, start = {}, 1
     for s, n in lengths.items():
         count = -(-n // BS)
@@ -63,13 +64,14 @@ def _problem(lengths: dict[int, int]):
     return kv, q, blocks, start
 
 
+@pytest.mark.parametrize("kv_dtype", ["float32", "int8"])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_rows_do_not_depend_on_the_batch(backend: str):
+def test_rows_do_not_depend_on_the_batch(backend: str, kv_dtype: str):
     lengths = {0: 300, 1: 600, 2: 40, 3: 517}
     kv, q, blocks, num_blocks = _problem(lengths)
 
     def cache() -> PagedKVCache:
-        return PagedKVCache.allocate("float32", num_blocks, BS, HKV, D, torch.device("cpu"))
+        return PagedKVCache.allocate(kv_dtype, num_blocks, BS, HKV, D, torch.device("cpu"))
 
     for n_query in (1, 37):  # decode, and a prefill chunk
         alone = {s: _run(backend, [(s, n_query, blocks[s])], cache(), kv, q)[0]
@@ -83,24 +85,46 @@ def test_rows_do_not_depend_on_the_batch(backend: str):
 
 
 @pytest.mark.skipif(cpu_ops() is None, reason=NO_KERNELS)
-def test_compiled_rows_do_not_depend_on_the_chunk():
+@pytest.mark.parametrize("kv_dtype", ["float32", "int8"])
+def test_compiled_rows_do_not_depend_on_the_chunk(kv_dtype: str):
     """The compiled kernel's rows are the same computed as a decode (one row), inside a
-    prefill chunk at any offset of its tiles, or in a chunk of a different length."""
+    prefill chunk at any offset of its tiles, or in a chunk of a different length; and
+    whatever the cache holds past a row's own position (written by a longer chunk, or not
+    yet)."""
     lengths = {0: 200}
     kv, q, blocks, num_blocks = _problem(lengths)
-    cache = PagedKVCache.allocate("float32", num_blocks, BS, HKV, D, torch.device("cpu"))
-    whole = _run("cpu_paged", [(0, 200, blocks[0])], cache, kv, q)[0]
+
+    def cache() -> PagedKVCache:
+        return PagedKVCache.allocate(kv_dtype, num_blocks, BS, HKV, D, torch.device("cpu"))
+
+    whole = _run("cpu_paged", [(0, 200, blocks[0])], cache(), kv, q)[0]
     for n_query in (1, 3, 13, 64):
-        part = _run("cpu_paged", [(0, n_query, blocks[0])], cache, kv, q)[0]
+        part = _run("cpu_paged", [(0, n_query, blocks[0])], cache(), kv, q)[0]
         assert torch.equal(part, whole[-n_query:]), n_query
+    # The first 150 rows as one chunk: the cache then holds nothing past position 149.
+    short = {0: (kv[0][0][:150], kv[0][1][:150])}
+    first = _run("cpu_paged", [(0, 150, blocks[0])], cache(), short, {0: q[0][:150]})[0]
+    assert torch.equal(first, whole[:150])
 
 
 @pytest.mark.parametrize("kv_dtype", list(KV_CACHE_DTYPES))
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_matches_float64_reference(backend: str, kv_dtype: str):
+    _check_against_float64(backend, kv_dtype, D)
+
+
+@pytest.mark.skipif(cpu_ops() is None, reason=NO_KERNELS)
+@pytest.mark.parametrize("head_dim", [16, 80, 128])
+def test_compiled_int8_pairs_any_head_dim(head_dim: int):
+    """The integer path takes values 64 dimensions at a time: narrower, wider and uneven
+    heads agree with the reference too."""
+    _check_against_float64("cpu_paged", "int8", head_dim)
+
+
+def _check_against_float64(backend: str, kv_dtype: str, d: int) -> None:
     lengths = {0: 70, 1: 5, 2: 33}
-    kv, q, blocks, num_blocks = _problem(lengths)
-    cache = PagedKVCache.allocate(kv_dtype, num_blocks, BS, HKV, D, torch.device("cpu"))
+    kv, q, blocks, num_blocks = _problem(lengths, d)
+    cache = PagedKVCache.allocate(kv_dtype, num_blocks, BS, HKV, d, torch.device("cpu"))
     n_query = 5
     outs = _run(backend, [(s, n_query, blocks[s]) for s in lengths], cache, kv, q)
     for s, out in zip(lengths, outs):
@@ -108,14 +132,47 @@ def test_matches_float64_reference(backend: str, kv_dtype: str):
         ids = torch.tensor(blocks[s])
         k_all, v_all = cache.gather(ids, cache.gather_buffer(len(ids)),
                                     cache.gather_buffer(len(ids)))
-        k_all = k_all.reshape(-1, HKV, D)[: lengths[s]].double()
-        v_all = v_all.reshape(-1, HKV, D)[: lengths[s]].double()
+        k_all = k_all.reshape(-1, HKV, d)[: lengths[s]].double()
+        v_all = v_all.reshape(-1, HKV, d)[: lengths[s]].double()
+        integer = backend == "cpu_paged" and cache.pack == 2
         for i in range(n_query):
             pos = lengths[s] - n_query + i
-            qi = q[s][pos].double().view(HKV, HQ // HKV, D)
-            scores = torch.einsum("hgd,lhd->hgl", qi, k_all[: pos + 1]) * D**-0.5
-            ref = torch.einsum("hgl,lhd->hgd", scores.softmax(-1), v_all[: pos + 1])
-            torch.testing.assert_close(out[i].double(), ref.reshape(-1), atol=1e-5, rtol=1e-5)
+            qi = q[s][pos].view(HKV, HQ // HKV, d)
+            if integer:
+                qi = _rounded_to_16_bits(qi)
+            scores = torch.einsum("hgd,lhd->hgl", qi.double(), k_all[: pos + 1]) * d**-0.5
+            p = (scores - scores.amax(-1, keepdim=True)).exp()
+            weights = p
+            if integer:
+                vs = cache.value_scale[ids].transpose(1, 2).reshape(-1, HKV)[: pos + 1]
+                weights = _weights_rounded_to_16_bits(p, vs.double())
+            ref = torch.einsum("hgl,lhd->hgd", weights / p.sum(-1, keepdim=True),
+                               v_all[: pos + 1])
+            # A weight on a rounding tie may land one code away from the reference's:
+            # at most 1 / 32767 of the largest possible weight times the largest value.
+            atol = 1e-5 + (v_all.abs().max().item() / 32767 if integer else 0.0)
+            torch.testing.assert_close(out[i].double(), ref.reshape(-1), atol=atol, rtol=1e-5)
+
+
+def _rounded_to_16_bits(q: torch.Tensor) -> torch.Tensor:
+    """Each query vector as the compiled kernel multiplies it with an int8 cache stored in
+    pairs: round(q / s) s with s = max|q| / 32767."""
+    s = q.abs().amax(-1, keepdim=True) / 32767
+    return torch.round(q * (1 / s)) * s
+
+
+def _weights_rounded_to_16_bits(p: torch.Tensor, vs: torch.Tensor) -> torch.Tensor:
+    """Softmax numerators ``p`` [Hkv, G, L] (at most 1) as the same kernel weighs the
+    values: ``w = p vs`` (``vs`` [L, Hkv] the values' scales) rounded to 16 bits of each
+    block's largest scale, ``round(w / sw) sw`` with ``sw = max vs / 32767``; returned
+    divided by ``vs`` again, as weights of the dequantized values."""
+    vs = vs.t().unsqueeze(1)
+    w = p * vs
+    out = torch.empty_like(w)
+    for b in range(0, w.shape[-1], BS):
+        sw = vs[..., b:b + BS].amax(-1, keepdim=True) / 32767
+        out[..., b:b + BS] = torch.round(w[..., b:b + BS] / sw) * sw
+    return out / vs
 
 
 @pytest.mark.skipif(cpu_ops() is None, reason=NO_KERNELS)
@@ -155,6 +212,9 @@ def test_compiled_dominant_key(kv_dtype: str):
     ids = torch.tensor(blocks[0])
     _, v_all = cache.gather(ids, cache.gather_buffer(len(ids)), cache.gather_buffer(len(ids)))
     expected = v_all.reshape(-1, HKV, D)[77].repeat_interleave(HQ // HKV, dim=0).reshape(-1)
-    torch.testing.assert_close(out[0], expected, atol=1e-5, rtol=1e-5)
+    # With an int8 cache in pairs the weight is rounded to 16 bits of its block's largest
+    # possible weight: one part in 2^16 of the block's largest value.
+    atol = 1e-5 + (v_all.abs().max().item() / 32767 if cache.pack == 2 else 0.0)
+    torch.testing.assert_close(out[0], expected, atol=atol, rtol=1e-5)
     tiny = torch.tensor([1e-30]) * torch.tensor([1e-10])
     assert tiny.item() > 0, "flush-to-zero leaked out of the attention kernel"

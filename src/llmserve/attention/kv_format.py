@@ -4,6 +4,15 @@ The 8-bit formats keep one float32 scale per token and KV head (``max|x| / max c
 each stored vector is quantized on its own: a token's cached values do not depend on the
 rest of the batch, and the scales add 4 bytes to each 64-value head vector (counted in the
 capacity). Readers get float32 back from ``gather``.
+
+Layout of one layer, with ``P`` elements packed together (``PagedKVCache.pack``): keys
+``[blocks, Hkv, D / P, block_size, P]``, values ``[blocks, Hkv, block_size / P, D, P]``.
+With ``P = 1`` (float formats, fp8) a block's keys of one head are a ``[D, block_size]``
+tile (one vector holds a dimension of consecutive tokens) and its values
+``[block_size, D]``. int8 packs pairs (``P = 2``): two dimensions of a token's key, or
+the same dimension of two consecutive tokens' values, sit side by side, the operand
+layout of the 16-bit integer dot product (``vpdpwssd``) the compiled kernel multiplies
+them with.
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ KV_CACHE_DTYPES: dict[str, tuple[torch.dtype, float | None]] = {
     "fp8_e4m3": (torch.float8_e4m3fn, 448.0),
     "int8": (torch.int8, 127.0),
 }
+_PACKED_PAIRS = ("int8",)  # formats stored in pairs where block_size and head_dim allow
 KV_CACHE_DTYPE_CHOICES = ("auto", *KV_CACHE_DTYPES)
 
 
@@ -39,8 +49,8 @@ def kv_bytes_per_vector(name: str, head_dim: int) -> int:
 class PagedKVCache:
     """One layer's cache: keys, values (+ scales) in the layout above."""
 
-    key: torch.Tensor  # [num_blocks, Hkv, D, block_size]
-    value: torch.Tensor  # [num_blocks, Hkv, block_size, D]
+    key: torch.Tensor  # [num_blocks, Hkv, D / P, block_size, P]
+    value: torch.Tensor  # [num_blocks, Hkv, block_size / P, D, P]
     key_scale: torch.Tensor | None  # [num_blocks, Hkv, block_size] float32
     value_scale: torch.Tensor | None
     max_code: float | None
@@ -49,11 +59,13 @@ class PagedKVCache:
     def allocate(cls, name: str, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, device: torch.device) -> PagedKVCache:
         dtype, max_code = KV_CACHE_DTYPES[name]
+        pairs = name in _PACKED_PAIRS and block_size % 2 == 0 and head_dim % 2 == 0
+        p = 2 if pairs else 1
         # Zeroed, so that padded reads of never-written slots stay finite.
-        key = torch.zeros(num_blocks, num_kv_heads, head_dim, block_size, dtype=dtype,
+        key = torch.zeros(num_blocks, num_kv_heads, head_dim // p, block_size, p, dtype=dtype,
                           device=device)
-        value = torch.zeros(num_blocks, num_kv_heads, block_size, head_dim, dtype=dtype,
-                            device=device)
+        value = torch.zeros(num_blocks, num_kv_heads, block_size // p, head_dim, p,
+                            dtype=dtype, device=device)
         scales = (None, None) if max_code is None else tuple(
             torch.zeros(num_blocks, num_kv_heads, block_size, device=device) for _ in range(2))
         return cls(key, value, *scales, max_code)
@@ -64,11 +76,20 @@ class PagedKVCache:
 
     @property
     def block_size(self) -> int:
-        return self.value.shape[2]
+        return self.key.shape[3]
 
     @property
     def num_kv_heads(self) -> int:
-        return self.value.shape[1]
+        return self.key.shape[1]
+
+    @property
+    def head_dim(self) -> int:
+        return self.value.shape[3]
+
+    @property
+    def pack(self) -> int:
+        """Elements packed side by side (P in the layout above)."""
+        return self.key.shape[4]
 
     def store(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write ``k``, ``v`` [T, Hkv, D] float32 at cache slots ``slots`` [T]."""
@@ -86,11 +107,13 @@ class PagedKVCache:
                 x = x.round_()
             scales[blocks, :, offsets] = s
         # Written as same-width integers: index_put_ has no float8 kernel on CPU.
-        codes = _as_int(x.to(cache.dtype))
-        if transposed:
-            _as_int(cache)[blocks, :, :, offsets] = codes
-        else:
-            _as_int(cache)[blocks, :, offsets] = codes
+        codes = _as_int(x.to(cache.dtype))  # [T, Hkv, D]
+        p = self.pack
+        if transposed:  # dimension d at [d // P, offset, d % P]
+            tokens, heads, dim = codes.shape
+            _as_int(cache)[blocks, :, :, offsets] = codes.view(tokens, heads, dim // p, p)
+        else:  # token offset at [offset // P, d, offset % P]
+            _as_int(cache)[blocks, :, offsets // p, :, offsets % p] = codes
 
     def gather(self, block_ids: torch.Tensor, keys_out: torch.Tensor,
                values_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,9 +129,10 @@ class PagedKVCache:
                 block_ids: torch.Tensor, out: torch.Tensor, transposed: bool) -> torch.Tensor:
         torch.index_select(_bytes(cache).view(cache.shape[0], -1), 0, block_ids, out=out)
         x = out.view(cache.dtype).view(-1, *cache.shape[1:])
-        # -> [n, block_size, Hkv, D]
-        x = x.permute(0, 3, 1, 2) if transposed else x.permute(0, 2, 1, 3)
+        # -> [n, block_size, Hkv, D / P, P] (keys) or [n, block_size / P, P, Hkv, D]
+        x = x.permute(0, 3, 1, 2, 4) if transposed else x.permute(0, 2, 4, 1, 3)
         x = torch.empty(x.shape, dtype=torch.float32, device=x.device).copy_(x)
+        x = x.view(x.shape[0], self.block_size, self.num_kv_heads, self.head_dim)
         if scales is None:
             return x
         s = scales.index_select(0, block_ids).transpose(1, 2)  # [n, block_size, Hkv]

@@ -1,8 +1,9 @@
 // Paged attention on CPU, reading the KV cache blocks in place.
 //
-// Cache layout (attention/kv_format.py): keys [blocks, Hkv, D, block_size] (a block's keys
-// of one head are a [D, block_size] tile, so 16 scores come out of one vector per step
-// over D), values [blocks, Hkv, block_size, D].
+// Cache layout (attention/kv_format.py): keys [blocks, Hkv, D / P, block_size, P], values
+// [blocks, Hkv, block_size / P, D, P]. With P = 1 (float formats, fp8) a block's keys of one
+// head are a [D, block_size] tile, so 16 scores come out of one vector per step over D; int8
+// stores pairs (P = 2) and takes a path of 16-bit integer dot products (below).
 //
 // Every query row is computed by the same sequence of operations whatever else is in the
 // batch: each score is a sum over head_dim in order (one vector lane per key), the softmax
@@ -18,6 +19,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -195,39 +197,265 @@ inline void weighted_sum_row(const T* v, const float* const* w, const float* vs,
   }
 }
 
-template <typename T>
-void attend(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache,
-            const c10::optional<at::Tensor>& key_scale,
-            const c10::optional<at::Tensor>& value_scale, const at::Tensor& block_tables,
-            const at::Tensor& query_start, const at::Tensor& positions, double scale,
-            at::Tensor& out) {
-  const int64_t num_heads = q.size(1), head_dim = q.size(2);
-  const int64_t num_kv_heads = key_cache.size(1), block_size = key_cache.size(3);
-  const int64_t group = num_heads / num_kv_heads;
-  const int64_t num_seqs = query_start.size(0) - 1;
-  const int64_t max_blocks = block_tables.size(1);
-  const int64_t block_elems = num_kv_heads * head_dim * block_size;
-  const int64_t head_elems = head_dim * block_size;
-  const float* q_ptr = q.data_ptr<float>();
-  const int64_t q_stride = q.stride(0);
-  const T* k_ptr = key_cache.data_ptr<T>();
-  const T* v_ptr = value_cache.data_ptr<T>();
-  const float* ks_ptr = key_scale ? key_scale->data_ptr<float>() : nullptr;
-  const float* vs_ptr = value_scale ? value_scale->data_ptr<float>() : nullptr;
-  const int64_t* tables = block_tables.data_ptr<int64_t>();
-  const int64_t* qstart = query_start.data_ptr<int64_t>();
-  const int64_t* pos = positions.data_ptr<int64_t>();
-  float* out_ptr = out.data_ptr<float>();
-  const float sm_scale = static_cast<float>(scale);
+// ---- int8 caches: 16-bit integer dot products -------------------------------------------
+//
+// An int8 cache stores pairs (attention/kv_format.py, P = 2): keys [D / 2][block_size][2]
+// per block and head, values [block_size / 2][D][2]. Each query vector is rounded to 16 bits
+// (q16 = round(q / sq), sq = max|q| / 32767) and each block's softmax weights times the
+// values' scales likewise (w16 = round(p vs / sw), sw = the largest vs / 32767 of the
+// block's keys the row sees, as p <= 1), so scores and weighted sums are exact int32 sums of int16 x int8 products, two
+// per lane and instruction (vpdpwssd): the int8 codes are never converted to float one by
+// one. The 16-bit roundings are within 2^-16 of each vector's largest element (for the
+// weights, of the largest a weight can be: an fp16 weight's precision near 1), far below
+// the 8-bit rounding of the cache itself. The float steps around them (scales, softmax, the sum over
+// blocks) run in a fixed order, so batch invariance holds as for the float formats.
 
-  // Work items: (sequence, tile of up to kTile consecutive query rows, KV head).
+constexpr float kQ16 = 32767.f;
+typedef int16_t vi16 __attribute__((vector_size(kLanes * 2)));
+
+#if defined(__AVX512BW__)
+typedef __m512i vpairs;  // 16 lanes of int16 pairs
+
+// 16 lanes of two consecutive int8 codes, widened to int16.
+inline vpairs load_pairs(const int8_t* p) {
+  return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// acc[l] + a[l].first * b.first + a[l].second * b.second, b an int16 pair (low half first).
+inline vint dot_pairs(vint acc, vpairs a, int32_t b) {
+#if defined(__AVX512VNNI__)
+  return reinterpret_cast<vint>(
+      _mm512_dpwssd_epi32(reinterpret_cast<__m512i>(acc), a, _mm512_set1_epi32(b)));
+#else
+  return acc + reinterpret_cast<vint>(_mm512_madd_epi16(a, _mm512_set1_epi32(b)));
+#endif
+}
+#else
+struct vpairs {
+  vint first, second;
+};
+
+inline vpairs load_pairs(const int8_t* p) {
+  vpairs r;
+  for (int l = 0; l < kLanes; ++l) {
+    r.first[l] = p[2 * l];
+    r.second[l] = p[2 * l + 1];
+  }
+  return r;
+}
+
+inline vint dot_pairs(vint acc, vpairs a, int32_t b) {
+  const int16_t lo = static_cast<int16_t>(b & 0xFFFF), hi = static_cast<int16_t>(b >> 16);
+  return acc + a.first * lo + a.second * hi;
+}
+#endif
+
+inline vfloat vmax(vfloat a, vfloat b) { return a > b ? a : b; }
+
+// The largest lane, by halves (exact in any order).
+inline float vmax_lanes(vfloat v) {
+  v = vmax(v, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+  v = vmax(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
+  v = vmax(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
+  v = vmax(v, __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
+  return v[0];
+}
+
+// Round to the nearest integer, ties to even, for |x| < 2^22 (adding and subtracting 1.5 *
+// 2^23 leaves the rounded value), then clamp to +-32767 and narrow to int16.
+inline vi16 round_to_i16(vfloat x) {
+  const vfloat magic = vsplat(12582912.0f), hi = vsplat(kQ16), lo = vsplat(-kQ16);
+  x = (x + magic) - magic;
+  x = x > hi ? hi : x;
+  x = x < lo ? lo : x;
+  return __builtin_convertvector(__builtin_convertvector(x, vint), vi16);
+}
+
+// q16[0 : n] = round(q / sq) with sq = max(max|q| / 32767, smallest normal float) (1 / sq
+// is finite; each element a product by it). n a multiple of kLanes. Returns sq.
+inline float round_query(const float* q, int64_t n, int16_t* q16) {
+  vfloat amax{};
+  for (int64_t d = 0; d < n; d += kLanes) {
+    const vfloat x = vload(q + d);
+    amax = vmax(amax, x < 0 ? -x : x);
+  }
+  const float s = std::max(vmax_lanes(amax) / kQ16, std::numeric_limits<float>::min());
+  const vfloat inv = vsplat(1.f / s);
+  for (int64_t d = 0; d < n; d += kLanes) {
+    const vi16 r = round_to_i16(vload(q + d) * inv);
+    std::memcpy(q16 + d, &r, sizeof(r));
+  }
+  return s;
+}
+
+// The weights' scale of one block whose first `keys` keys a row sees: sw = max vs / 32767
+// over those keys (not the ones past them: they may be written later, and a row's result
+// must not depend on when). vsn = vs / sw for every key of the block. Returns sw.
+inline float weight_scale(const float* vs, int64_t keys, int64_t block_size, float* vsn) {
+  vint lane;
+  for (int l = 0; l < kLanes; ++l) lane[l] = l;
+  vfloat top{};
+  for (int64_t c = 0; c < block_size; c += kLanes)
+    top = vmax(top, lane < static_cast<int32_t>(keys - c) ? vload(vs + c) : vfloat{});
+  const float m = vmax_lanes(top);
+  const vfloat inv = vsplat(m > 0 ? kQ16 / m : 0.f);
+  for (int64_t c = 0; c < block_size; c += kLanes) vstore(vsn + c, vload(vs + c) * inv);
+  return m / kQ16;
+}
+
+// One block's softmax numerators p (at most 1: the row's largest score is subtracted) times
+// the values' scales vs, in 16 bits of the largest scale of the keys the row sees:
+// w16 = round(p vs / sw) = round(p vsn) (weight_scale), so each weight is within 2^-16 of
+// the largest it could be, the precision of an fp16 softmax weight near 1. Keys past
+// `keys` weigh 0 (those lanes of p are scratch).
+inline void round_weights(const float* p, const float* vsn, int64_t keys, int64_t block_size,
+                          int16_t* w16) {
+  vint lane;
+  for (int l = 0; l < kLanes; ++l) lane[l] = l;
+  for (int64_t c = 0; c < block_size; c += kLanes) {
+    const vfloat w = vload(p + c) * vload(vsn + c);
+    const vi16 r = round_to_i16(lane < static_cast<int32_t>(keys - c) ? w : vfloat{});
+    std::memcpy(w16 + c, &r, sizeof(r));
+  }
+}
+
+// dst[b][u * stride + lane] = (int32 sum over d of q16_u[d] k[b][d][lane]) * ks[b] * qs[u],
+// for N query vectors and NB blocks' 16-key column: k[b] points at the column's first pair
+// row, `ld` bytes apart; q[u] holds the query's int16 pairs as int32.
+template <int NB, int N>
+inline void block_scores_pairs(const int8_t* const* kt, int64_t ld, int64_t pairs,
+                               const int32_t* const* q, const float* qs, const vfloat* ks,
+                               float* const* dst, int64_t stride) {
+  vint acc[NB][N] = {};
+  for (int64_t d = 0; d < pairs; ++d) {
+#pragma GCC unroll 4
+    for (int b = 0; b < NB; ++b) {
+      const vpairs k = load_pairs(kt[b] + d * ld);
+#pragma GCC unroll 4
+      for (int u = 0; u < N; ++u) acc[b][u] = dot_pairs(acc[b][u], k, q[u][d]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int b = 0; b < NB; ++b)
+#pragma GCC unroll 4
+    for (int u = 0; u < N; ++u)
+      vstore(dst[b] + u * stride, __builtin_convertvector(acc[b][u], vfloat) * ks[b] * qs[u]);
+}
+
+template <int NB>
+inline void block_scores_pairs_n(const int8_t* const* kt, int64_t ld, int64_t pairs,
+                                 const int32_t* const* q, const float* qs, int64_t n,
+                                 const vfloat* ks, float* const* dst, int64_t stride) {
+  switch (n) {
+    case 1: block_scores_pairs<NB, 1>(kt, ld, pairs, q, qs, ks, dst, stride); break;
+    case 2: block_scores_pairs<NB, 2>(kt, ld, pairs, q, qs, ks, dst, stride); break;
+    case 3: block_scores_pairs<NB, 3>(kt, ld, pairs, q, qs, ks, dst, stride); break;
+    default: block_scores_pairs<NB, kScoreRows>(kt, ld, pairs, q, qs, ks, dst, stride); break;
+  }
+}
+
+// a_u[0 : 16 C] += (int32 sum over token pairs j of w16_u[j] v[j]) * sw_u, for U query
+// vectors: v points at 16 C dimensions of a block's first token pair, pairs `ld` bytes
+// apart ([pairs][D][2]); w[u] holds the weights' int16 pairs as int32.
+template <int C, int U>
+inline void weighted_sum_pairs(const int8_t* v, int64_t ld, const int32_t* const* w,
+                               const float* sw, int64_t pairs, float* const* a) {
+  vint acc[U][C] = {};
+  for (int64_t j = 0; j < pairs; ++j) {
+    vpairs x[C];
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) x[c] = load_pairs(v + j * ld + c * kLanes * 2);
+#pragma GCC unroll 4
+    for (int u = 0; u < U; ++u)
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) acc[u][c] = dot_pairs(acc[u][c], x[c], w[u][j]);
+  }
+#pragma GCC unroll 4
+  for (int u = 0; u < U; ++u)
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c)
+      vstore(a[u] + c * kLanes, vfma(__builtin_convertvector(acc[u][c], vfloat),
+                                     vsplat(sw[u]), vload(a[u] + c * kLanes)));
+}
+
+// U query vectors (1 to 4) over the dimensions [d0, d0 + 16 C) of the block's values.
+template <int C>
+inline void weighted_sum_pairs_u(const int8_t* v, int64_t ld, const int32_t* const* w,
+                                 const float* sw, int64_t pairs, float* const* a, int64_t u) {
+  switch (u) {
+    case 1: weighted_sum_pairs<C, 1>(v, ld, w, sw, pairs, a); break;
+    case 2: weighted_sum_pairs<C, 2>(v, ld, w, sw, pairs, a); break;
+    case 3: weighted_sum_pairs<C, 3>(v, ld, w, sw, pairs, a); break;
+    default: weighted_sum_pairs<C, 4>(v, ld, w, sw, pairs, a); break;
+  }
+}
+
+// Query vectors [0, n) of one row (same keys) through weighted_sum_pairs: up to 4 at a time
+// and 64 dimensions (4 vectors) per pass, so that the sums stay in registers.
+inline void weighted_sum_pairs_row(const int8_t* v, int64_t head_dim, const int32_t* const* w,
+                                   const float* sw, int64_t pairs, float* const* a, int64_t n) {
+  constexpr int kDims = 4 * kLanes;
+  for (int64_t i = 0; i < n; i += 4) {
+    const int64_t u = std::min<int64_t>(4, n - i);
+    for (int64_t d0 = 0; d0 < head_dim; d0 += kDims) {
+      float* ad[4];
+      for (int64_t k = 0; k < u; ++k) ad[k] = a[i + k] + d0;
+      const int8_t* vd = v + 2 * d0;
+      switch ((std::min<int64_t>(kDims, head_dim - d0)) / kLanes) {
+        case 1: weighted_sum_pairs_u<1>(vd, 2 * head_dim, w + i, sw + i, pairs, ad, u); break;
+        case 2: weighted_sum_pairs_u<2>(vd, 2 * head_dim, w + i, sw + i, pairs, ad, u); break;
+        case 3: weighted_sum_pairs_u<3>(vd, 2 * head_dim, w + i, sw + i, pairs, ad, u); break;
+        default: weighted_sum_pairs_u<4>(vd, 2 * head_dim, w + i, sw + i, pairs, ad, u); break;
+      }
+    }
+  }
+}
+
+// ---- work items, shared by both paths -----------------------------------------------------
+
+// What every work item of one call reads.
+struct Problem {
+  const float* q;
+  int64_t q_stride;
+  int64_t num_heads, head_dim, num_kv_heads, block_size, group, max_blocks;
+  int64_t block_elems, head_elems;  // elements of one block (every head), of one head's part
+  const int64_t* tables;
+  const int64_t* qstart;
+  const int64_t* pos;
+  const float* key_scale;  // [blocks, Hkv, block_size], or null
+  const float* value_scale;
+  float* out;
+  float sm_scale;
+};
+
+// Query rows [t0, t0 + rows) of sequence b against KV head h: nq = rows * group query
+// vectors, row-major (r, g), each seeing qlen[i] keys, over the first num_blocks blocks of
+// the sequence's table.
+struct Item {
+  int64_t b, t0, rows, h, nq, num_blocks;
+  const int64_t* table;
+  int64_t qlen[kTile * 64];
+  const float* qptrs[kTile * 64];
+};
+
+// Reusable per-thread buffers.
+struct Scratch {
+  std::vector<float> scores, acc;
+  std::vector<int16_t> q16, w16;
+  std::vector<float> sw, vsn;
+};
+
+// Calls body(item, scratch) for every (sequence, tile of up to kTile query rows, KV head),
+// over the threads.
+template <typename F>
+void for_each_item(const Problem& p, int64_t num_seqs, F&& body) {
   std::vector<int64_t> item_seq, item_row;
   for (int64_t b = 0; b < num_seqs; ++b)
-    for (int64_t t = qstart[b]; t < qstart[b + 1]; t += kTile) {
+    for (int64_t t = p.qstart[b]; t < p.qstart[b + 1]; t += kTile) {
       item_seq.push_back(b);
       item_row.push_back(t);
     }
-  const int64_t num_items = static_cast<int64_t>(item_seq.size()) * num_kv_heads;
+  const int64_t num_items = static_cast<int64_t>(item_seq.size()) * p.num_kv_heads;
   // Items differ in cost (rows x keys): a prefill chunk's tiles beside decodes of short and
   // long sequences. Threads take them from a shared counter, costliest first, so that none
   // idles while another still has a long list (an even split of the range left one thread
@@ -239,160 +467,286 @@ void attend(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& 
   {
     std::vector<int64_t> cost(item_seq.size());
     for (size_t t = 0; t < item_seq.size(); ++t) {
-      const int64_t last = std::min<int64_t>(item_row[t] + kTile, qstart[item_seq[t] + 1]) - 1;
-      cost[t] = (last - item_row[t] + 1) * (pos[last] + 1);
+      const int64_t last =
+          std::min<int64_t>(item_row[t] + kTile, p.qstart[item_seq[t] + 1]) - 1;
+      cost[t] = (last - item_row[t] + 1) * (p.pos[last] + 1);
     }
     for (int64_t i = 0; i < num_items; ++i) order[i] = i;
     std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
-      return cost[a / num_kv_heads] > cost[b / num_kv_heads];
+      return cost[a / p.num_kv_heads] > cost[b / p.num_kv_heads];
     });
   }
   std::atomic<int64_t> next_item{0};
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), num_items);
   const int64_t grab =
-      static_cast<int64_t>(item_seq.size()) >= 4 * workers ? num_kv_heads : 1;
+      static_cast<int64_t>(item_seq.size()) >= 4 * workers ? p.num_kv_heads : 1;
 
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     const FlushDenormals ftz;
-    std::vector<float> scores, acc;
+    Scratch scratch;
+    Item it;
     // Each take is `grab` consecutive entries of `order`, computed one item after another.
     for (int64_t k0; (k0 = next_item.fetch_add(grab, std::memory_order_relaxed)) < num_items;)
     for (int64_t k = k0; k < std::min(k0 + grab, num_items); ++k) {
       const int64_t item = order[k];
-      const int64_t tile = item / num_kv_heads, h = item % num_kv_heads;
-      const int64_t b = item_seq[tile], t0 = item_row[tile];
-      const int64_t rows = std::min<int64_t>(kTile, qstart[b + 1] - t0);
-      const int64_t nq = rows * group;  // query vectors of this item, row-major (r, g)
-      const int64_t* table = tables + b * max_blocks;
-      int64_t len[kTile];
+      const int64_t tile = item / p.num_kv_heads;
+      it.h = item % p.num_kv_heads;
+      it.b = item_seq[tile];
+      it.t0 = item_row[tile];
+      it.rows = std::min<int64_t>(kTile, p.qstart[it.b + 1] - it.t0);
+      it.nq = it.rows * p.group;
+      it.table = p.tables + it.b * p.max_blocks;
       int64_t max_len = 0;
-      for (int64_t r = 0; r < rows; ++r) {
-        len[r] = pos[t0 + r] + 1;
-        max_len = std::max(max_len, len[r]);
+      for (int64_t r = 0, i = 0; r < it.rows; ++r) {
+        const int64_t len = p.pos[it.t0 + r] + 1;
+        max_len = std::max(max_len, len);
+        const float* row = p.q + (it.t0 + r) * p.q_stride + it.h * p.group * p.head_dim;
+        for (int64_t g = 0; g < p.group; ++g, ++i) {
+          it.qlen[i] = len;
+          it.qptrs[i] = row + g * p.head_dim;
+        }
       }
-      TORCH_CHECK(max_len <= max_blocks * block_size, "position past the block table");
-      TORCH_CHECK(group <= 64, "more than 64 query heads per KV head");
-      int64_t qlen[kTile * 64];  // keys visible to each query vector
-      for (int64_t i = 0; i < rows * group; ++i) qlen[i] = len[i / group];
-      const int64_t num_blocks = (max_len + block_size - 1) / block_size;
-      // Blocks sit anywhere in the pool, out of the hardware prefetcher's sight: each pass
-      // asks for block i + kAhead (and its scales) as it starts on block i.
-      // Where block i's head-h data start: keys or values, and their scales.
-      auto data_at = [&](int64_t i) { return table[i] * block_elems + h * head_elems; };
-      auto scale_at = [&](int64_t i) { return (table[i] * num_kv_heads + h) * block_size; };
-      auto fetch = [&](const T* cache, const float* scales, int64_t i) {
-        if (i >= num_blocks) return;
-        prefetch(cache + data_at(i), head_elems * sizeof(T));
-        if (scales) prefetch(scales + scale_at(i), block_size * sizeof(float));
-      };
-      for (int64_t i = 0; i < std::min<int64_t>(kAhead, num_blocks); ++i)
-        fetch(k_ptr, ks_ptr, i);
-      const int64_t stride = num_blocks * block_size;  // scores per query vector
-      scores.resize(static_cast<size_t>(nq * stride));
-      const float* qptrs[kTile * 64];
-      for (int64_t i = 0; i < nq; ++i)
-        qptrs[i] = q_ptr + (t0 + i / group) * q_stride + (h * group + i % group) * head_dim;
+      TORCH_CHECK(max_len <= p.max_blocks * p.block_size, "position past the block table");
+      it.num_blocks = (max_len + p.block_size - 1) / p.block_size;
+      body(it, scratch);
+    }
+  });
+}
 
-      // 1. Scores, two blocks of keys at a time: lane c of a vector sums q[d] k_c[d] over
-      //    d in order; then times scale (and the key's stored scale).
-      for (int64_t blk = 0; blk < num_blocks; blk += 2) {
-        const int nb = blk + 1 < num_blocks ? 2 : 1;
-        int64_t at[2], sat[2];  // the blocks' keys and scales of head h
+// Blocks sit anywhere in the pool, out of the hardware prefetcher's sight: each pass asks
+// for block i + kAhead (and its scales) as it starts on block i.
+template <typename T>
+struct BlockReader {
+  const Problem& p;
+  const Item& it;
+  const T* cache;
+  const float* scales;
+
+  // Where block i's data of the item's head start, and its scales.
+  const T* data(int64_t i) const {
+    return cache + it.table[i] * p.block_elems + it.h * p.head_elems;
+  }
+  const float* scale(int64_t i) const {
+    return scales + (it.table[i] * p.num_kv_heads + it.h) * p.block_size;
+  }
+  void fetch(int64_t i) const {
+    if (i >= it.num_blocks) return;
+    prefetch(data(i), p.head_elems * sizeof(T));
+    if (scales) prefetch(scale(i), p.block_size * sizeof(float));
+  }
+  void fetch_first() const {
+    for (int64_t i = 0; i < std::min<int64_t>(kAhead, it.num_blocks); ++i) fetch(i);
+  }
+};
+
+// Softmax numerators of each query vector's scores, in place (lanes past a vector's length
+// are scratch); the max is exact in any order, the sum runs lane-wise over whole vectors,
+// then the tail in order: a fixed order for a given length. inv_sum[i] = 1 / the sum.
+void softmax_numerators(float* scores, int64_t stride, const Item& it, float* inv_sum) {
+  for (int64_t i = 0; i < it.nq; ++i) {
+    float* sc = scores + i * stride;
+    const int64_t n = it.qlen[i], body = n - n % kLanes;
+    float m = sc[0];
+    if (body > 0) {
+      vfloat mv = vload(sc);
+      for (int64_t j = kLanes; j < body; j += kLanes) mv = vmax(mv, vload(sc + j));
+      m = std::max(m, vmax_lanes(mv));
+    }
+    for (int64_t j = body; j < n; ++j) m = std::max(m, sc[j]);
+    const vfloat mvec = vsplat(m);
+    for (int64_t j = 0; j < n; j += kLanes) vstore(sc + j, vexp(vload(sc + j) - mvec));
+    vfloat sv{};
+    for (int64_t j = 0; j < body; j += kLanes) sv += vload(sc + j);
+    float sum = vsum(sv);
+    for (int64_t j = body; j < n; ++j) sum += sc[j];
+    inv_sum[i] = 1.f / sum;
+  }
+}
+
+// out rows of the item = acc * inv_sum.
+void write_out(const Problem& p, const Item& it, const float* acc, const float* inv_sum) {
+  for (int64_t r = 0, i = 0; r < it.rows; ++r) {
+    float* o = p.out + ((it.t0 + r) * p.num_heads + it.h * p.group) * p.head_dim;
+    for (int64_t g = 0; g < p.group; ++g, ++i) {
+      const vfloat inv = vsplat(inv_sum[i]);
+      for (int64_t d = 0; d < p.head_dim; d += kLanes)
+        vstore(o + g * p.head_dim + d, vload(acc + i * p.head_dim + d) * inv);
+    }
+  }
+}
+
+// Float formats (and any cache stored one element at a time): keys [D, block_size] and values
+// [block_size, D] per block and head, converted to float32 as they are read.
+template <typename T>
+void attend_float(const Problem& p, int64_t num_seqs, const T* k_ptr, const T* v_ptr) {
+  const int64_t bs = p.block_size, head_dim = p.head_dim, group = p.group;
+  for_each_item(p, num_seqs, [&](const Item& it, Scratch& s) {
+    const BlockReader<T> keys{p, it, k_ptr, p.key_scale}, values{p, it, v_ptr, p.value_scale};
+    const int64_t nq = it.nq, num_blocks = it.num_blocks;
+    const int64_t stride = num_blocks * bs;  // scores per query vector
+    keys.fetch_first();
+    s.scores.resize(static_cast<size_t>(nq * stride));
+
+    // 1. Scores, two blocks of keys at a time: lane c of a vector sums q[d] k_c[d] over
+    //    d in order; then times scale (and the key's stored scale).
+    for (int64_t blk = 0; blk < num_blocks; blk += 2) {
+      const int nb = blk + 1 < num_blocks ? 2 : 1;
+      for (int b = 0; b < nb; ++b) keys.fetch(blk + b + kAhead);
+      for (int64_t c = 0; c < bs; c += kLanes) {
+        const T* kt[2];
+        vfloat ks[2];
         for (int b = 0; b < nb; ++b) {
-          at[b] = data_at(blk + b);
-          sat[b] = scale_at(blk + b);
-          fetch(k_ptr, ks_ptr, blk + b + kAhead);
+          kt[b] = keys.data(blk + b) + c;  // [D, block_size], from column c
+          ks[b] = p.key_scale ? vload(keys.scale(blk + b) + c) * p.sm_scale
+                              : vsplat(p.sm_scale);
         }
-        for (int64_t c = 0; c < block_size; c += kLanes) {
-          const T* kt[2];
-          vfloat ks[2];
-          for (int b = 0; b < nb; ++b) {
-            kt[b] = k_ptr + at[b] + c;  // [D, block_size], from column c
-            ks[b] = ks_ptr ? vload(ks_ptr + sat[b] + c) * sm_scale
-                           : vsplat(sm_scale);
-          }
-          // Every query vector, also past its own length (those lanes are scratch).
-          for (int64_t i = 0; i < nq; i += kScoreRows) {
-            float* const dst[2] = {scores.data() + i * stride + blk * block_size + c,
-                                   scores.data() + i * stride + (blk + 1) * block_size + c};
-            const int64_t n = std::min<int64_t>(kScoreRows, nq - i);
-            if (nb == 2)
-              block_scores_n<2>(kt, block_size, head_dim, qptrs + i, n, ks, dst, stride);
-            else
-              block_scores_n<1>(kt, block_size, head_dim, qptrs + i, n, ks, dst, stride);
-          }
-        }
-      }
-      // 2. Softmax numerators (lanes past a row's length are scratch); the max is exact in
-      //    any order, the sum runs lane-wise over whole vectors, then the tail in order: a
-      //    fixed order for a given row length.
-      float inv_sum[kTile * 64];
-      for (int64_t i = 0; i < nq; ++i) {
-        float* sc = scores.data() + i * stride;
-        const int64_t n = qlen[i], body = n - n % kLanes;
-        float m = sc[0];
-        if (body > 0) {
-          vfloat mv = vload(sc);
-          for (int64_t j = kLanes; j < body; j += kLanes) {
-            const vfloat x = vload(sc + j);
-            mv = x > mv ? x : mv;
-          }
-          for (int l = 0; l < kLanes; ++l) m = std::max(m, mv[l]);
-        }
-        for (int64_t j = body; j < n; ++j) m = std::max(m, sc[j]);
-        const vfloat mvec = vsplat(m);
-        for (int64_t j = 0; j < n; j += kLanes) vstore(sc + j, vexp(vload(sc + j) - mvec));
-        vfloat sv{};
-        for (int64_t j = 0; j < body; j += kLanes) sv += vload(sc + j);
-        float sum = vsum(sv);
-        for (int64_t j = body; j < n; ++j) sum += sc[j];
-        inv_sum[i] = 1.f / sum;
-      }
-      for (int64_t i = 0; i < std::min<int64_t>(kAhead, num_blocks); ++i)
-        fetch(v_ptr, vs_ptr, i);
-      // 3. Weighted sum of values in key order, a block at a time (its values stay in L1
-      //    while every query vector of the item takes its share), then normalize.
-      acc.assign(static_cast<size_t>(nq * head_dim), 0.f);
-      for (int64_t blk = 0; blk < num_blocks; ++blk) {
-        const int64_t at = data_at(blk);
-        fetch(v_ptr, vs_ptr, blk + kAhead);
-        const int64_t j0 = blk * block_size;
-        const float* vs = vs_ptr ? vs_ptr + scale_at(blk) : nullptr;
-        // The query vectors of one row share their keys: taken together, up to four.
-        for (int64_t i = 0; i < nq; i += group) {
-          const int64_t keys = std::min(block_size, qlen[i] - j0);
-          if (keys <= 0) continue;
-          const float* w[64];
-          float* a[64];
-          for (int64_t u = 0; u < group; ++u) {
-            w[u] = scores.data() + (i + u) * stride + j0;
-            a[u] = acc.data() + (i + u) * head_dim;
-          }
-          if (head_dim == 64)
-            weighted_sum_row<4>(v_ptr + at, w, vs, keys, a, group);
-          else if (head_dim == 128)
-            weighted_sum_row<8>(v_ptr + at, w, vs, keys, a, group);
+        // Every query vector, also past its own length (those lanes are scratch).
+        for (int64_t i = 0; i < nq; i += kScoreRows) {
+          float* const dst[2] = {s.scores.data() + i * stride + blk * bs + c,
+                                 s.scores.data() + i * stride + (blk + 1) * bs + c};
+          const int64_t n = std::min<int64_t>(kScoreRows, nq - i);
+          if (nb == 2)
+            block_scores_n<2>(kt, bs, head_dim, it.qptrs + i, n, ks, dst, stride);
           else
-            for (int64_t u = 0; u < group; ++u)
-              weighted_sum_any(v_ptr + at, w[u], vs, keys, head_dim, a[u]);
+            block_scores_n<1>(kt, bs, head_dim, it.qptrs + i, n, ks, dst, stride);
         }
-      }
-      for (int64_t i = 0; i < nq; ++i) {
-        float* o = out_ptr + ((t0 + i / group) * num_heads + h * group + i % group) * head_dim;
-        const vfloat inv = vsplat(inv_sum[i]);
-        for (int64_t d = 0; d < head_dim; d += kLanes)
-          vstore(o + d, vload(acc.data() + i * head_dim + d) * inv);
       }
     }
+    float inv_sum[kTile * 64];
+    softmax_numerators(s.scores.data(), stride, it, inv_sum);
+    values.fetch_first();
+    // 3. Weighted sum of values in key order, a block at a time (its values stay in L1
+    //    while every query vector of the item takes its share), then normalize.
+    s.acc.assign(static_cast<size_t>(nq * head_dim), 0.f);
+    for (int64_t blk = 0; blk < num_blocks; ++blk) {
+      values.fetch(blk + kAhead);
+      const T* v = values.data(blk);
+      const int64_t j0 = blk * bs;
+      const float* vs = p.value_scale ? values.scale(blk) : nullptr;
+      // The query vectors of one row share their keys: taken together, up to four.
+      for (int64_t i = 0; i < nq; i += group) {
+        const int64_t n_keys = std::min(bs, it.qlen[i] - j0);
+        if (n_keys <= 0) continue;
+        const float* w[64];
+        float* a[64];
+        for (int64_t u = 0; u < group; ++u) {
+          w[u] = s.scores.data() + (i + u) * stride + j0;
+          a[u] = s.acc.data() + (i + u) * head_dim;
+        }
+        if (head_dim == 64)
+          weighted_sum_row<4>(v, w, vs, n_keys, a, group);
+        else if (head_dim == 128)
+          weighted_sum_row<8>(v, w, vs, n_keys, a, group);
+        else
+          for (int64_t u = 0; u < group; ++u)
+            weighted_sum_any(v, w[u], vs, n_keys, head_dim, a[u]);
+      }
+    }
+    write_out(p, it, s.acc.data(), inv_sum);
+  });
+}
+
+// int8 caches stored in pairs (see above): keys [D / 2][block_size][2] and values
+// [block_size / 2][D][2] per block and head.
+void attend_int8_pairs(const Problem& p, int64_t num_seqs, const int8_t* k_ptr,
+                       const int8_t* v_ptr) {
+  const int64_t bs = p.block_size, head_dim = p.head_dim, group = p.group;
+  const int64_t pairs = head_dim / 2;
+  for_each_item(p, num_seqs, [&](const Item& it, Scratch& s) {
+    const BlockReader<int8_t> keys{p, it, k_ptr, p.key_scale},
+        values{p, it, v_ptr, p.value_scale};
+    const int64_t nq = it.nq, num_blocks = it.num_blocks;
+    const int64_t stride = num_blocks * bs;
+    keys.fetch_first();
+    s.scores.resize(static_cast<size_t>(nq * stride));
+    s.q16.resize(static_cast<size_t>(nq * head_dim));
+    float qs[kTile * 64];
+    const int32_t* q32[kTile * 64];
+    for (int64_t i = 0; i < nq; ++i) {
+      int16_t* q16 = s.q16.data() + i * head_dim;
+      qs[i] = round_query(it.qptrs[i], head_dim, q16);
+      q32[i] = reinterpret_cast<const int32_t*>(q16);
+    }
+
+    // 1. Scores, two blocks of keys at a time (exact int32 sums over d, then the scales).
+    for (int64_t blk = 0; blk < num_blocks; blk += 2) {
+      const int nb = blk + 1 < num_blocks ? 2 : 1;
+      for (int b = 0; b < nb; ++b) keys.fetch(blk + b + kAhead);
+      for (int64_t c = 0; c < bs; c += kLanes) {
+        const int8_t* kt[2];
+        vfloat ks[2];
+        for (int b = 0; b < nb; ++b) {
+          kt[b] = keys.data(blk + b) + 2 * c;  // [D / 2][block_size][2], from column c
+          ks[b] = vload(keys.scale(blk + b) + c) * p.sm_scale;
+        }
+        for (int64_t i = 0; i < nq; i += kScoreRows) {
+          float* const dst[2] = {s.scores.data() + i * stride + blk * bs + c,
+                                 s.scores.data() + i * stride + (blk + 1) * bs + c};
+          const int64_t n = std::min<int64_t>(kScoreRows, nq - i);
+          if (nb == 2)
+            block_scores_pairs_n<2>(kt, 2 * bs, pairs, q32 + i, qs + i, n, ks, dst, stride);
+          else
+            block_scores_pairs_n<1>(kt, 2 * bs, pairs, q32 + i, qs + i, n, ks, dst, stride);
+        }
+      }
+    }
+    // 2. Softmax numerators, then the weights p vs of each block in 16 bits.
+    float inv_sum[kTile * 64];
+    softmax_numerators(s.scores.data(), stride, it, inv_sum);
+    values.fetch_first();
+    // Scales of whole blocks, shared by every query vector; a row's last block, if the
+    // row sees only part of it, gets its own.
+    s.w16.resize(static_cast<size_t>(nq * stride));
+    s.sw.resize(static_cast<size_t>(num_blocks + it.rows));
+    s.vsn.resize(static_cast<size_t>(stride + bs));
+    for (int64_t blk = 0; blk < num_blocks; ++blk)
+      s.sw[blk] = weight_scale(values.scale(blk), bs, bs, s.vsn.data() + blk * bs);
+    float* partial_vsn = s.vsn.data() + stride;
+    for (int64_t r = 0, i = 0; r < it.rows; ++r) {
+      const int64_t len = it.qlen[i], whole = len - len % bs;
+      if (whole < len)
+        s.sw[num_blocks + r] = weight_scale(values.scale(whole / bs), len - whole, bs,
+                                            partial_vsn);
+      for (int64_t g = 0; g < group; ++g, ++i)
+        for (int64_t j0 = 0; j0 < len; j0 += bs)
+          round_weights(s.scores.data() + i * stride + j0,
+                        j0 < whole ? s.vsn.data() + j0 : partial_vsn, len - j0, bs,
+                        s.w16.data() + i * stride + j0);
+    }
+    // 3. Weighted sums of values, a block at a time: exact int32 sums over its keys, then
+    //    added to the float sums times the weights' scale.
+    s.acc.assign(static_cast<size_t>(nq * head_dim), 0.f);
+    for (int64_t blk = 0; blk < num_blocks; ++blk) {
+      values.fetch(blk + kAhead);
+      const int8_t* v = values.data(blk);
+      const int64_t j0 = blk * bs;
+      for (int64_t r = 0, i = 0; r < it.rows; ++r, i += group) {
+        const int64_t n_keys = std::min(bs, it.qlen[i] - j0);
+        if (n_keys <= 0) continue;
+        const int32_t* w[64];
+        float sw[64];
+        float* a[64];
+        for (int64_t u = 0; u < group; ++u) {
+          w[u] = reinterpret_cast<const int32_t*>(s.w16.data() + (i + u) * stride + j0);
+          sw[u] = s.sw[n_keys < bs ? num_blocks + r : blk];
+          a[u] = s.acc.data() + (i + u) * head_dim;
+        }
+        const int64_t n_pairs = (n_keys + 1) / 2;  // an odd last key pairs with weight 0
+        weighted_sum_pairs_row(v, head_dim, w, sw, n_pairs, a, group);
+      }
+    }
+    write_out(p, it, s.acc.data(), inv_sum);
   });
 }
 
 }  // namespace
 
-// q: [T, Hq, D] float32 (rows may be strided); caches as above; scales (8-bit formats):
-// [blocks, Hkv, block_size] float32; block_tables: [B, max_blocks] int64; query_start:
-// [B + 1] int64 (rows of sequence b are query_start[b]..query_start[b+1]); positions: [T]
-// int64 (row t sees keys 0..positions[t] of its sequence). Returns [T, Hq * D] float32.
+// q: [T, Hq, D] float32 (rows may be strided); caches in kv_format.py's layout, keys
+// [blocks, Hkv, D / P, block_size, P] and values [blocks, Hkv, block_size / P, D, P]
+// (P = 2 only for int8); scales (8-bit formats): [blocks, Hkv, block_size] float32;
+// block_tables: [B, max_blocks] int64; query_start: [B + 1] int64 (rows of sequence b are
+// query_start[b]..query_start[b+1]); positions: [T] int64 (row t sees keys 0..positions[t]
+// of its sequence). Returns [T, Hq * D] float32.
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& key_cache,
                            const at::Tensor& value_cache,
                            const c10::optional<at::Tensor>& key_scale,
@@ -403,20 +757,51 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& key_cache,
                   q.stride(1) == q.size(2),
               "q must be a float32 [T, Hq, D] tensor with contiguous heads");
   TORCH_CHECK(q.size(2) % kLanes == 0, "head_dim must be a multiple of ", kLanes);
-  TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous() && value_cache.is_contiguous(),
-              "the KV cache must be contiguous");
-  TORCH_CHECK(key_cache.size(3) % kLanes == 0, "block_size must be a multiple of ", kLanes);
-  TORCH_CHECK(key_cache.size(2) == q.size(2), "key cache head_dim does not match q");
+  TORCH_CHECK(key_cache.dim() == 5 && value_cache.dim() == 5 && key_cache.is_contiguous() &&
+                  value_cache.is_contiguous(),
+              "the KV cache must be contiguous [blocks, Hkv, D / P, block_size, P] keys and "
+              "[blocks, Hkv, block_size / P, D, P] values");
+  const int64_t pack = key_cache.size(4), block_size = key_cache.size(3);
+  TORCH_CHECK(block_size % kLanes == 0, "block_size must be a multiple of ", kLanes);
+  TORCH_CHECK(key_cache.size(2) * pack == q.size(2), "key cache head_dim does not match q");
   TORCH_CHECK(q.size(1) % key_cache.size(1) == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(q.size(1) / key_cache.size(1) <= 64, "more than 64 query heads per KV head");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && query_start.scalar_type() == at::kLong &&
                   positions.scalar_type() == at::kLong,
               "index tensors must be int64");
+  const bool pairs = pack == 2;
+  TORCH_CHECK(pack == 1 || (pairs && key_cache.scalar_type() == at::kChar && key_scale &&
+                            value_scale),
+              "pairs (P = 2) are an int8 layout, with scales");
   auto tables = block_tables.contiguous();
   auto out = at::empty({q.size(0), q.size(1) * q.size(2)}, q.options());
-  dispatch_kv_dtype(key_cache.scalar_type(), [&](auto tag) {
-    attend<decltype(tag)>(q, key_cache, value_cache, key_scale, value_scale, tables,
-                          query_start, positions, scale, out);
-  });
+  const int64_t num_kv_heads = key_cache.size(1), head_dim = q.size(2);
+  const Problem p{q.data_ptr<float>(),
+                  q.stride(0),
+                  q.size(1),
+                  head_dim,
+                  num_kv_heads,
+                  block_size,
+                  q.size(1) / num_kv_heads,
+                  tables.size(1),
+                  num_kv_heads * head_dim * block_size,
+                  head_dim * block_size,
+                  tables.data_ptr<int64_t>(),
+                  query_start.data_ptr<int64_t>(),
+                  positions.data_ptr<int64_t>(),
+                  key_scale ? key_scale->data_ptr<float>() : nullptr,
+                  value_scale ? value_scale->data_ptr<float>() : nullptr,
+                  out.data_ptr<float>(),
+                  static_cast<float>(scale)};
+  const int64_t num_seqs = query_start.size(0) - 1;
+  if (pairs) {
+    attend_int8_pairs(p, num_seqs, key_cache.data_ptr<int8_t>(), value_cache.data_ptr<int8_t>());
+  } else {
+    dispatch_kv_dtype(key_cache.scalar_type(), [&](auto tag) {
+      using T = decltype(tag);
+      attend_float<T>(p, num_seqs, key_cache.data_ptr<T>(), value_cache.data_ptr<T>());
+    });
+  }
   return out;
 }
 
