@@ -539,6 +539,32 @@ struct BlockReader {
   }
 };
 
+// Scores of every query vector of the item against every key (also past a vector's own
+// length: those lanes are scratch), two blocks at a time, a column of 16 keys at a time:
+// score(nb, kt, ks, i, n, dst) fills query vectors [i, i + n) for the column of nb blocks,
+// kt[b] the column's first keys (P elements each), ks[b] their scales times sm_scale.
+template <typename T, typename F>
+void for_each_score_tile(const BlockReader<T>& keys, const Item& it, int64_t bs, int64_t pack,
+                         int64_t stride, float* scores, float sm_scale, F&& score) {
+  for (int64_t blk = 0; blk < it.num_blocks; blk += 2) {
+    const int nb = blk + 1 < it.num_blocks ? 2 : 1;
+    for (int b = 0; b < nb; ++b) keys.fetch(blk + b + kAhead);
+    for (int64_t c = 0; c < bs; c += kLanes) {
+      const T* kt[2];
+      vfloat ks[2];
+      for (int b = 0; b < nb; ++b) {
+        kt[b] = keys.data(blk + b) + pack * c;
+        ks[b] = keys.scales ? vload(keys.scale(blk + b) + c) * sm_scale : vsplat(sm_scale);
+      }
+      for (int64_t i = 0; i < it.nq; i += kScoreRows) {
+        float* const dst[2] = {scores + i * stride + blk * bs + c,
+                               scores + i * stride + (blk + 1) * bs + c};
+        score(nb, kt, ks, i, std::min<int64_t>(kScoreRows, it.nq - i), dst);
+      }
+    }
+  }
+}
+
 // Softmax numerators of each query vector's scores, in place (lanes past a vector's length
 // are scratch); the max is exact in any order, the sum runs lane-wise over whole vectors,
 // then the tail in order: a fixed order for a given length. inv_sum[i] = 1 / the sum.
@@ -587,31 +613,16 @@ void attend_float(const Problem& p, int64_t num_seqs, const T* k_ptr, const T* v
     keys.fetch_first();
     s.scores.resize(static_cast<size_t>(nq * stride));
 
-    // 1. Scores, two blocks of keys at a time: lane c of a vector sums q[d] k_c[d] over
-    //    d in order; then times scale (and the key's stored scale).
-    for (int64_t blk = 0; blk < num_blocks; blk += 2) {
-      const int nb = blk + 1 < num_blocks ? 2 : 1;
-      for (int b = 0; b < nb; ++b) keys.fetch(blk + b + kAhead);
-      for (int64_t c = 0; c < bs; c += kLanes) {
-        const T* kt[2];
-        vfloat ks[2];
-        for (int b = 0; b < nb; ++b) {
-          kt[b] = keys.data(blk + b) + c;  // [D, block_size], from column c
-          ks[b] = p.key_scale ? vload(keys.scale(blk + b) + c) * p.sm_scale
-                              : vsplat(p.sm_scale);
-        }
-        // Every query vector, also past its own length (those lanes are scratch).
-        for (int64_t i = 0; i < nq; i += kScoreRows) {
-          float* const dst[2] = {s.scores.data() + i * stride + blk * bs + c,
-                                 s.scores.data() + i * stride + (blk + 1) * bs + c};
-          const int64_t n = std::min<int64_t>(kScoreRows, nq - i);
-          if (nb == 2)
-            block_scores_n<2>(kt, bs, head_dim, it.qptrs + i, n, ks, dst, stride);
-          else
-            block_scores_n<1>(kt, bs, head_dim, it.qptrs + i, n, ks, dst, stride);
-        }
-      }
-    }
+    // 1. Scores: lane c of a vector sums q[d] k_c[d] over d in order; then times scale
+    //    (and the key's stored scale).
+    for_each_score_tile(keys, it, bs, 1, stride, s.scores.data(), p.sm_scale,
+                        [&](int nb, const T* const* kt, const vfloat* ks, int64_t i, int64_t n,
+                            float* const* dst) {
+      if (nb == 2)
+        block_scores_n<2>(kt, bs, head_dim, it.qptrs + i, n, ks, dst, stride);
+      else
+        block_scores_n<1>(kt, bs, head_dim, it.qptrs + i, n, ks, dst, stride);
+    });
     float inv_sum[kTile * 64];
     softmax_numerators(s.scores.data(), stride, it, inv_sum);
     values.fetch_first();
@@ -668,28 +679,15 @@ void attend_int8_pairs(const Problem& p, int64_t num_seqs, const int8_t* k_ptr,
       q32[i] = reinterpret_cast<const int32_t*>(q16);
     }
 
-    // 1. Scores, two blocks of keys at a time (exact int32 sums over d, then the scales).
-    for (int64_t blk = 0; blk < num_blocks; blk += 2) {
-      const int nb = blk + 1 < num_blocks ? 2 : 1;
-      for (int b = 0; b < nb; ++b) keys.fetch(blk + b + kAhead);
-      for (int64_t c = 0; c < bs; c += kLanes) {
-        const int8_t* kt[2];
-        vfloat ks[2];
-        for (int b = 0; b < nb; ++b) {
-          kt[b] = keys.data(blk + b) + 2 * c;  // [D / 2][block_size][2], from column c
-          ks[b] = vload(keys.scale(blk + b) + c) * p.sm_scale;
-        }
-        for (int64_t i = 0; i < nq; i += kScoreRows) {
-          float* const dst[2] = {s.scores.data() + i * stride + blk * bs + c,
-                                 s.scores.data() + i * stride + (blk + 1) * bs + c};
-          const int64_t n = std::min<int64_t>(kScoreRows, nq - i);
-          if (nb == 2)
-            block_scores_pairs_n<2>(kt, 2 * bs, pairs, q32 + i, qs + i, n, ks, dst, stride);
-          else
-            block_scores_pairs_n<1>(kt, 2 * bs, pairs, q32 + i, qs + i, n, ks, dst, stride);
-        }
-      }
-    }
+    // 1. Scores: exact int32 sums over d, then the scales.
+    for_each_score_tile(keys, it, bs, 2, stride, s.scores.data(), p.sm_scale,
+                        [&](int nb, const int8_t* const* kt, const vfloat* ks, int64_t i,
+                            int64_t n, float* const* dst) {
+      if (nb == 2)
+        block_scores_pairs_n<2>(kt, 2 * bs, pairs, q32 + i, qs + i, n, ks, dst, stride);
+      else
+        block_scores_pairs_n<1>(kt, 2 * bs, pairs, q32 + i, qs + i, n, ks, dst, stride);
+    });
     // 2. Softmax numerators, then the weights p vs of each block in 16 bits.
     float inv_sum[kTile * 64];
     softmax_numerators(s.scores.data(), stride, it, inv_sum);
