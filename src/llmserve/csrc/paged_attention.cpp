@@ -354,12 +354,12 @@ inline void block_scores_pairs_n(const int8_t* const* kt, int64_t ld, int64_t pa
   }
 }
 
-// a_u[0 : 16 C] += (int32 sum over token pairs j of w16_u[j] v[j]) * sw_u, for U query
+// a_u[0 : 16 C] += (int32 sum over token pairs j of w16_u[j] v[j]) * sw, for U query
 // vectors: v points at 16 C dimensions of a block's first token pair, pairs `ld` bytes
 // apart ([pairs][D][2]); w[u] holds the weights' int16 pairs as int32.
 template <int C, int U>
 inline void weighted_sum_pairs(const int8_t* v, int64_t ld, const int32_t* const* w,
-                               const float* sw, int64_t pairs, float* const* a) {
+                               float sw, int64_t pairs, float* const* a) {
   vint acc[U][C] = {};
   for (int64_t j = 0; j < pairs; ++j) {
     vpairs x[C];
@@ -375,13 +375,13 @@ inline void weighted_sum_pairs(const int8_t* v, int64_t ld, const int32_t* const
 #pragma GCC unroll 8
     for (int c = 0; c < C; ++c)
       vstore(a[u] + c * kLanes, vfma(__builtin_convertvector(acc[u][c], vfloat),
-                                     vsplat(sw[u]), vload(a[u] + c * kLanes)));
+                                     vsplat(sw), vload(a[u] + c * kLanes)));
 }
 
 // U query vectors (1 to 4) over the dimensions [d0, d0 + 16 C) of the block's values.
 template <int C>
 inline void weighted_sum_pairs_u(const int8_t* v, int64_t ld, const int32_t* const* w,
-                                 const float* sw, int64_t pairs, float* const* a, int64_t u) {
+                                 float sw, int64_t pairs, float* const* a, int64_t u) {
   switch (u) {
     case 1: weighted_sum_pairs<C, 1>(v, ld, w, sw, pairs, a); break;
     case 2: weighted_sum_pairs<C, 2>(v, ld, w, sw, pairs, a); break;
@@ -393,7 +393,7 @@ inline void weighted_sum_pairs_u(const int8_t* v, int64_t ld, const int32_t* con
 // Query vectors [0, n) of one row (same keys) through weighted_sum_pairs: up to 4 at a time
 // and 64 dimensions (4 vectors) per pass, so that the sums stay in registers.
 inline void weighted_sum_pairs_row(const int8_t* v, int64_t head_dim, const int32_t* const* w,
-                                   const float* sw, int64_t pairs, float* const* a, int64_t n) {
+                                   float sw, int64_t pairs, float* const* a, int64_t n) {
   constexpr int kDims = 4 * kLanes;
   for (int64_t i = 0; i < n; i += 4) {
     const int64_t u = std::min<int64_t>(4, n - i);
@@ -402,10 +402,10 @@ inline void weighted_sum_pairs_row(const int8_t* v, int64_t head_dim, const int3
       for (int64_t k = 0; k < u; ++k) ad[k] = a[i + k] + d0;
       const int8_t* vd = v + 2 * d0;
       switch ((std::min<int64_t>(kDims, head_dim - d0)) / kLanes) {
-        case 1: weighted_sum_pairs_u<1>(vd, 2 * head_dim, w + i, sw + i, pairs, ad, u); break;
-        case 2: weighted_sum_pairs_u<2>(vd, 2 * head_dim, w + i, sw + i, pairs, ad, u); break;
-        case 3: weighted_sum_pairs_u<3>(vd, 2 * head_dim, w + i, sw + i, pairs, ad, u); break;
-        default: weighted_sum_pairs_u<4>(vd, 2 * head_dim, w + i, sw + i, pairs, ad, u); break;
+        case 1: weighted_sum_pairs_u<1>(vd, 2 * head_dim, w + i, sw, pairs, ad, u); break;
+        case 2: weighted_sum_pairs_u<2>(vd, 2 * head_dim, w + i, sw, pairs, ad, u); break;
+        case 3: weighted_sum_pairs_u<3>(vd, 2 * head_dim, w + i, sw, pairs, ad, u); break;
+        default: weighted_sum_pairs_u<4>(vd, 2 * head_dim, w + i, sw, pairs, ad, u); break;
       }
     }
   }
@@ -721,12 +721,12 @@ void attend_int8_pairs(const Problem& p, int64_t num_seqs, const int8_t* k_ptr,
       for (int64_t r = 0, i = 0; r < it.rows; ++r, i += group) {
         const int64_t n_keys = std::min(bs, it.qlen[i] - j0);
         if (n_keys <= 0) continue;
+        // The row's query vectors share its keys, so the weights' scale too.
+        const float sw = s.sw[n_keys < bs ? num_blocks + r : blk];
         const int32_t* w[64];
-        float sw[64];
         float* a[64];
         for (int64_t u = 0; u < group; ++u) {
           w[u] = reinterpret_cast<const int32_t*>(s.w16.data() + (i + u) * stride + j0);
-          sw[u] = s.sw[n_keys < bs ? num_blocks + r : blk];
           a[u] = s.acc.data() + (i + u) * head_dim;
         }
         const int64_t n_pairs = (n_keys + 1) / 2;  // an odd last key pairs with weight 0
