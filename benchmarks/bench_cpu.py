@@ -9,8 +9,11 @@ median of --repeats runs.
 2. Aggregate decode tokens/s at batch 1, 8, 32, 64 (128-token prompts, all prefilled in
    one step first; only the decode steps are timed).
 3. Prefill tokens/s of one 512- and one 1024-token prompt.
-With --llama-cpp, llama.cpp's decode and prefill figures on the same file (2 threads,
-through llama-cpp-python in its own environment: benchmarks/setup_llama_cpp_python.sh).
+With --llama-cpp, llama.cpp's decode, aggregate decode (the same batches, prompts and
+token counts: one llama_decode per step over all sequences, as llama-server runs its busy
+slots; the better of a unified and a per-sequence KV cache) and prefill figures on the same
+file (2 threads, through llama-cpp-python in its own environment:
+benchmarks/setup_llama_cpp_python.sh).
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ FORMATS = {
     "w8a8": {"quantization": "w8a8"},
     "int4": {"quantization": "int4"},
 }
+
+AGGREGATE_PROMPT, AGGREGATE_NEW = 128, 32  # aggregate decode: prompt and output tokens
 
 
 def format_options(name: str) -> dict:
@@ -112,19 +117,23 @@ def measure_format(model: str, name: str, batches: list[int], bandwidth: float,
         "bytes_per_token": nbytes, "ceiling_tok_s": bandwidth * 1e9 / nbytes,
         "weight_bytes": llm.engine.loaded.weight_bytes,
         "decode_tok_s": median(lambda i: decode_rate(llm, 1, 16, 128, i), repeats),
-        "aggregate_tok_s": {b: median(lambda i, b=b: decode_rate(llm, b, 128, 32, i), repeats)
+        "aggregate_tok_s": {b: median(lambda i, b=b: decode_rate(llm, b, AGGREGATE_PROMPT,
+                                                                  AGGREGATE_NEW, i), repeats)
                             for b in batches},
         "prefill_tok_s": {n: median(lambda i, n=n: prefill_rate(llm, n, i), repeats)
                           for n in (512, 1024)},
     }
 
 
-def llama_cpp(model_path: Path, repeats: int) -> dict:
+def llama_cpp(model_path: Path, batches: list[int], repeats: int) -> dict:
     setup = subprocess.run(["bash", str(HERE / "setup_llama_cpp_python.sh")], check=True,
                            capture_output=True, text=True)
     python = setup.stdout.strip().splitlines()[-1]
     out = subprocess.run([python, str(HERE / "llama_cpp_speed.py"), str(model_path),
-                          "--repeats", str(repeats), "--threads", "2"],
+                          "--repeats", str(repeats), "--threads", "2",
+                          "--batches", ",".join(map(str, batches)),
+                          "--batch-prompt-len", str(AGGREGATE_PROMPT),
+                          "--batch-new-tokens", str(AGGREGATE_NEW)],
                          check=True, capture_output=True, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -149,7 +158,8 @@ def main() -> None:
     report["read_bandwidth_gbs"] = bandwidth
     print(f"read bandwidth {bandwidth:.1f} GB/s, {threads} threads", flush=True)
     if args.llama_cpp:  # first: a run cut short still has its baseline
-        report["llama_cpp"] = llama_cpp(resolve_model_path(args.model), args.repeats)
+        report["llama_cpp"] = llama_cpp(resolve_model_path(args.model), batches,
+                                        args.repeats)
         print("llama.cpp", json.dumps(report["llama_cpp"]), flush=True)
     for name in args.formats.split(","):
         r = measure_format(args.model, name, batches, bandwidth, args.repeats)
@@ -175,9 +185,16 @@ def tables(report: dict) -> str:
     batches = list(first["aggregate_tok_s"])
     lines += ["", "| format | " + " | ".join(f"batch {b} tok/s" for b in batches) + " |",
               "|---|" + "---|" * len(batches)]
+    ref_agg = {int(b): max(v.values()) for b, v in ref.get("aggregate_tok_s", {}).items()} \
+        if ref else {}
     for name, r in report["formats"].items():
-        lines.append(f"| {name} | " + " | ".join(f"{r['aggregate_tok_s'][b]:.1f}"
-                                                 for b in batches) + " |")
+        lines.append(f"| {name} | " + " | ".join(
+            f"{r['aggregate_tok_s'][b]:.1f}"
+            + (f" ({r['aggregate_tok_s'][b] / ref_agg[b]:.2f}x)" if b in ref_agg else "")
+            for b in batches) + " |")
+    if ref_agg:
+        lines.append("| llama.cpp (same GGUF, better KV layout) | " + " | ".join(
+            f"{ref_agg[b]:.1f}" if b in ref_agg else "-" for b in batches) + " |")
     lines += ["", "| format | prefill 512 tok/s | prefill 1024 tok/s | vs llama.cpp |",
               "|---|---|---|---|"]
     for name, r in report["formats"].items():
