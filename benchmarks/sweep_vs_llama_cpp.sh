@@ -5,6 +5,10 @@
 #
 #   bash benchmarks/sweep_vs_llama_cpp.sh [OUT_DIR]
 #
+# Environment: LEVELS (concurrencies, default "1 4 16 64"), INPUT_LEN, OUTPUT_LEN,
+# LLMSERVE_ARGS (extra `llmserve serve` options, e.g. "--quantization w8a8
+# --kv-cache-dtype int8"), LLAMA_SERVER (a llama-server binary to use instead of building one).
+#
 # Writes OUT_DIR/{llmserve,llama-server}/sweep.json, OUT_DIR/compare.md, OUT_DIR/compare.png.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,7 +18,7 @@ levels=${LEVELS:-"1 4 16 64"}
 input_len=${INPUT_LEN:-256}
 output_len=${OUTPUT_LEN:-128}
 gguf=$($bin/python -c "from llmserve.models.loader import resolve_model_path as r; print(r('smollm2-135m-instruct'))")
-llama_server=$(bash benchmarks/build_llama_server.sh)
+llama_server=${LLAMA_SERVER:-$(bash benchmarks/build_llama_server.sh)}
 port=8411
 mkdir -p "$out"
 
@@ -35,7 +39,8 @@ point() {  # label c
 }
 
 # llmserve: one server for every level
-$bin/llmserve serve --port $port --served-model-name smollm2 > "$out/llmserve.log" 2>&1 &
+# shellcheck disable=SC2086  # LLMSERVE_ARGS is a list of options
+$bin/llmserve serve --port $port --served-model-name smollm2 ${LLMSERVE_ARGS:-} > "$out/llmserve.log" 2>&1 &
 pid=$!
 wait_ready "http://127.0.0.1:$port/ready"
 for c in $levels; do point llmserve "$c"; done
