@@ -153,3 +153,31 @@ def test_argmax(vocab: int):
     assert got.tolist() == x.argmax(dim=1).tolist()
     strided = torch.randn(4, 2 * vocab, generator=gen)[:, ::2]  # the PyTorch path
     assert ops.argmax(strided).tolist() == [_slow_argmax(r) for r in strided.tolist()]
+
+
+def test_row_results_do_not_depend_on_the_batch():
+    """What the sampler computes over a row of the vocabulary (the logprobs' log_softmax, the
+    draw's softmax, top-p's sorted cumulative sum, min-p, top-k, argmax) is bitwise the same
+    for a row alone and inside batches of any size: a seeded request draws the same token
+    and reports the same logprobs however it is batched. (A float ``sum(dim=1)`` over such
+    rows is not: PyTorch vectorizes it across rows.)"""
+    gen = torch.Generator().manual_seed(1)
+    vocab = 49152
+    x = torch.randn(70, vocab, generator=gen) * 5
+    p = torch.rand(70, generator=gen)
+    k = torch.randint(1, 100, (70,), generator=gen)
+    per_row = {
+        "log_softmax": lambda t, r: t.log_softmax(dim=1),
+        "softmax": lambda t, r: t.softmax(dim=1),
+        "top_p": lambda t, r: ops.apply_top_p(t, p[r]),
+        "min_p": lambda t, r: ops.apply_min_p(t, p[r] * 0.1),
+        "top_k": lambda t, r: ops.apply_top_k(t, k[r]),
+        "argmax": lambda t, r: ops.argmax(t),
+    }
+    for name, f in per_row.items():
+        full = f(x, slice(0, 70))
+        for m in (1, 2, 3, 7, 16, 33, 64):
+            batch = f(x[:m], slice(0, m))
+            for i in {0, m // 2, m - 1}:
+                alone = f(x[i:i + 1], slice(i, i + 1))[0]
+                assert torch.equal(batch[i], full[i]) and torch.equal(alone, full[i]), (name, m, i)

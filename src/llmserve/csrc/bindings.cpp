@@ -16,6 +16,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "level with a scale per group of inputs");
   m.def("int4_linear", &int4_linear,
         "x W^T for int4 W (group scales and zeros) packed for VNNI, two-level int8 x");
+  m.def("dense_linear", &dense_linear,
+        "x W^T for float32 or bfloat16 W packed in panels of 16 output channels; each output "
+        "a chain of fused multiply-adds over the inputs in order (batch-invariant)");
+  m.attr("dense_panel_width") = dense_panel_width();
   m.attr("has_vnni") = vnni_supported();
   m.def("argmax_rows", &argmax_rows, "torch.argmax(x, dim=1) for float32 rows, faster");
   m.def("rotary_embedding_", &rotary_embedding_, "rotate-half rotary embedding, in place");

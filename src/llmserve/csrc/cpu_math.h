@@ -57,21 +57,32 @@ inline float vsum(vfloat v) {
   return v[0];
 }
 
-// While alive, the calling thread flushes denormal results and inputs to zero (x86 FTZ and
-// DAZ), restored on exit. A softmax weight near exp(-87) times a value is denormal, and
-// denormal arithmetic takes a microcode assist of ~100 cycles per instruction: a few rows
-// with one dominant score made attention 10-20x slower. Deterministic per element, so
-// batch invariance holds.
-class FlushDenormals {
+// While alive, the calling thread handles denormals one fixed way, whatever the thread's
+// floating-point state was (x86 MXCSR: FTZ flushes denormal results, DAZ denormal inputs),
+// restored on exit. A kernel's threads then all compute alike: a thread that had flushing
+// switched on (torch.set_flush_denormal) cannot make an element depend on which thread
+// computed it.
+template <bool kFlush>
+class DenormalMode {
  public:
 #if defined(__SSE__)
-  FlushDenormals() : saved_(_mm_getcsr()) { _mm_setcsr(saved_ | 0x8040); }
-  ~FlushDenormals() { _mm_setcsr(saved_); }
+  DenormalMode() : saved_(_mm_getcsr()) {
+    _mm_setcsr(kFlush ? saved_ | kFtzDaz : saved_ & ~kFtzDaz);
+  }
+  ~DenormalMode() { _mm_setcsr(saved_); }
 
  private:
+  static constexpr unsigned kFtzDaz = 0x8040;
   unsigned saved_;
 #endif
 };
+
+// Flushed: a softmax weight near exp(-87) times a value is denormal, and denormal
+// arithmetic takes a microcode assist of ~100 cycles per instruction: a few rows with one
+// dominant score made attention 10-20x slower. Deterministic per element.
+using FlushDenormals = DenormalMode<true>;
+// IEEE 754 exactly (no flushing): kernels held bitwise to a reference computed elsewhere.
+using IeeeDenormals = DenormalMode<false>;
 
 // exp(x) per lane (Cephes expf polynomial, about 2 ulp), inputs clamped to [-87.3, 88].
 inline vfloat vexp(vfloat x) {

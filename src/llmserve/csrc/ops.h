@@ -31,6 +31,8 @@ at::Tensor add_rms_norm_(at::Tensor& residual, const at::Tensor& delta, const at
                          double eps);
 at::Tensor silu_and_mul(const at::Tensor& gate_up);
 at::Tensor argmax_rows(const at::Tensor& x);
+at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features);
+int64_t dense_panel_width();
 bool vnni_supported();
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& excess,
                        const at::Tensor& w_scale, int64_t out_features, int64_t levels,
