@@ -115,8 +115,9 @@ def main() -> None:
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--repeats", type=int, default=20)
     args = p.parse_args()
-    if cpu_ops() is None or not cpu_ops().has_vnni:
-        raise SystemExit("needs the compiled CPU kernels on a CPU with AVX-512 VNNI")
+    if cpu_ops() is None or not cpu_ops().int_kernels:
+        raise SystemExit("needs the compiled CPU kernels with their integer kernels "
+                         "(AVX-512 VNNI or AVX2)")
     print(f"batch {args.batch}, {torch.get_num_threads()} threads, best of {args.repeats}")
     print("| kernel (one layer) | compiled ms | PyTorch ms | speedup |\n|---|---|---|---|")
     for kv in KV_CACHE_DTYPES:

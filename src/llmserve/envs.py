@@ -25,6 +25,11 @@ LLMSERVE_CACHE_DIR: str = os.environ.get(
     "LLMSERVE_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "llmserve"))
 # "0" turns the compiled CPU kernels off: the pure PyTorch paths are used instead.
 LLMSERVE_CPU_KERNELS: bool = os.environ.get("LLMSERVE_CPU_KERNELS", "1") != "0"
+# The instruction set the compiled CPU kernels are built for: "native" (this CPU's own, the
+# default), "avx2" (x86-64-v3: AVX2 and FMA, no AVX-512, no VNNI: the portable kernels, as
+# AMD Zen 2/3 run them) or "baseline" (x86-64-v2: no AVX; the integer formats then fall back
+# to PyTorch). Forcing a lower one runs the portable paths on any newer CPU (`make test`).
+LLMSERVE_CPU_ISA: str = os.environ.get("LLMSERVE_CPU_ISA", "native")
 # "0" leaves glibc's malloc thresholds alone (see llmserve/host_memory.py): freed host
 # memory is then returned to the system and each CPU step faults its tensors in again.
 LLMSERVE_RETAIN_FREED_MEMORY: bool = os.environ.get("LLMSERVE_RETAIN_FREED_MEMORY", "1") != "0"

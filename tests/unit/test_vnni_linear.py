@@ -1,4 +1,5 @@
-"""The compiled VNNI kernels against plain PyTorch implementations of their arithmetic.
+"""The compiled integer kernels (AVX-512 VNNI or AVX2 builds) against plain PyTorch
+implementations of their arithmetic.
 
 int8 and w8a8: the kernel and the torch._int_mm path compute the same activation levels
 (two, or one for w8a8) and the same float epilogue around exact integer sums; int4:
@@ -22,8 +23,8 @@ from llmserve.layers.quantization.w8a8 import w8a8_matmul
 
 ops = cpu_ops()
 pytestmark = pytest.mark.skipif(
-    ops is None or not ops.has_vnni,
-    reason="compiled kernels unavailable or no AVX-512 VNNI on this CPU")
+    ops is None or not ops.int_kernels,
+    reason="compiled kernels unavailable, or built for a CPU without AVX2")
 
 
 def _activations(m: int, k: int, gen: torch.Generator) -> torch.Tensor:

@@ -20,7 +20,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x W^T for float32 or bfloat16 W packed in panels of 16 output channels; each output "
         "a chain of fused multiply-adds over the inputs in order (batch-invariant)");
   m.attr("dense_panel_width") = dense_panel_width();
-  m.attr("has_vnni") = vnni_supported();
+  // What this build targets (LLMSERVE_CPU_ISA picks it): the integer kernels' instruction set
+  // ("" when neither VNNI nor AVX2 was available: int8/int4 layers use PyTorch's kernels),
+  // and the widest vector extension the compiler was allowed.
+  m.attr("int_kernels") = int_kernels();
+  m.attr("has_vnni") = int_kernels() == "avx512_vnni";
+#if defined(__AVX512F__)
+  m.attr("isa") = "avx512";
+#elif defined(__AVX2__)
+  m.attr("isa") = "avx2";
+#else
+  m.attr("isa") = "baseline";
+#endif
   m.def("argmax_rows", &argmax_rows, "torch.argmax(x, dim=1) for float32 rows, faster");
   m.def("rotary_embedding_", &rotary_embedding_, "rotate-half rotary embedding, in place");
 }

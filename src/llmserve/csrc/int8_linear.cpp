@@ -18,6 +18,11 @@
 // vpdpbusd takes one unsigned operand: the activations go in as x + 128 (1..255) and the
 // excess, 128 * sum_k w[n, k] over each group's inputs k, is subtracted from the column's
 // sum of that group.
+//
+// Without VNNI, the AVX2 build reads the same packed weights and quantizes the activations
+// the same way, but without the bias: vpmaddubsw multiplies |w| by sign(w) x (see vnni.h),
+// an exact int32 sum with no excess to take back. Same sums, same float steps: the same
+// bits as the VNNI build and the torch._int_mm reference.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -25,20 +30,57 @@
 #include <algorithm>
 #include <cstring>
 #include <memory>
+#include <string>
 
 #include "ops.h"
 #include "vnni.h"
 
 namespace llmserve {
 
-bool vnni_supported() { return LLMSERVE_HAS_VNNI; }
+std::string int_kernels() { return int_kernels_isa(); }
+
+#if LLMSERVE_HAS_VNNI || LLMSERVE_HAS_INT_AVX2
+
+namespace {
+
+constexpr int kBlock = 16;  // output columns per block (one AVX-512 vector of int32 lanes)
+constexpr int kPanel = 4;   // column blocks per panel: 64 columns
+
+// The arguments of int8_linear, checked; returns the number of activation groups per row.
+int64_t check_int8_args(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& excess,
+                        const at::Tensor& w_scale, int64_t n, int64_t levels, int64_t group) {
+  TORCH_CHECK(levels == 1 || levels == 2, "levels must be 1 or 2, got ", levels);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
+              "x must be a float32 [rows, in] tensor with contiguous rows");
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kChar &&
+              packed.size(2) == kPanel * 64 && packed.is_contiguous() &&
+              reinterpret_cast<uintptr_t>(packed.data_ptr()) % 64 == 0,
+              "packed must be 64-byte aligned int8 [out_padded / 64, in / 4, 256]");
+  const int64_t k = x.size(1), panels = packed.size(0), quads = packed.size(1);
+  const int64_t padded = panels * kPanel * kBlock;
+  TORCH_CHECK(quads * 4 == k, "x has ", k, " input channels, the weight ", quads * 4);
+  TORCH_CHECK(panels * kPanel * kBlock >= n && n > (panels - 1) * kPanel * kBlock,
+              "packed holds ", panels * kPanel * kBlock, " output channels, not ", n,
+              " padded to a multiple of 64");
+  TORCH_CHECK(group > 0 && group % 4 == 0 && k % group == 0,
+              "the activation group (", group, ") must be a multiple of 4 dividing ", k);
+  const int64_t groups = k / group;
+  TORCH_CHECK(groups == 1 || levels == 1, "activation groups need one level");
+  TORCH_CHECK(excess.numel() == groups * padded && excess.scalar_type() == at::kInt &&
+              excess.is_contiguous() && w_scale.numel() == padded &&
+              w_scale.scalar_type() == at::kFloat && w_scale.is_contiguous(),
+              "excess (int32) must be [in / group, out_padded], w_scale (float32) [out_padded]");
+  return groups;
+}
+
+}  // namespace
+
+#endif
 
 #if LLMSERVE_HAS_VNNI
 
 namespace {
 
-constexpr int kBlock = 16;          // output columns per vector: int32 lanes
-constexpr int kPanel = 4;           // column blocks per tile: 64 columns
 constexpr int kTileCodeRows = 6;    // integer rows per tile (24 sums in registers)
 constexpr int kPrefetch = 2048;     // bytes ahead of the weight stream
 // What the tiles of one call share.
@@ -159,28 +201,10 @@ constexpr TileFn kTiles[2][kTileCodeRows + 1] = {
 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& excess,
                        const at::Tensor& w_scale, int64_t n, int64_t levels, int64_t group) {
-  TORCH_CHECK(levels == 1 || levels == 2, "levels must be 1 or 2, got ", levels);
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
-              "x must be a float32 [rows, in] tensor with contiguous rows");
-  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kChar &&
-              packed.size(2) == kPanel * 64 && packed.is_contiguous() &&
-              reinterpret_cast<uintptr_t>(packed.data_ptr()) % 64 == 0,
-              "packed must be 64-byte aligned int8 [out_padded / 64, in / 4, 256]");
+  const int64_t groups = check_int8_args(x, packed, excess, w_scale, n, levels, group);
   const int64_t m = x.size(0), k = x.size(1);
   const int64_t panels = packed.size(0), quads = packed.size(1);
   const int64_t padded = panels * kPanel * kBlock;
-  TORCH_CHECK(quads * 4 == k, "x has ", k, " input channels, the weight ", quads * 4);
-  TORCH_CHECK(panels * kPanel * kBlock >= n && n > (panels - 1) * kPanel * kBlock,
-              "packed holds ", panels * kPanel * kBlock, " output channels, not ", n,
-              " padded to a multiple of 64");
-  TORCH_CHECK(group > 0 && group % 4 == 0 && k % group == 0,
-              "the activation group (", group, ") must be a multiple of 4 dividing ", k);
-  const int64_t groups = k / group;
-  TORCH_CHECK(groups == 1 || levels == 1, "activation groups need one level");
-  TORCH_CHECK(excess.numel() == groups * padded && excess.scalar_type() == at::kInt &&
-              excess.is_contiguous() && w_scale.numel() == padded &&
-              w_scale.scalar_type() == at::kFloat && w_scale.is_contiguous(),
-              "excess (int32) must be [in / group, out_padded], w_scale (float32) [out_padded]");
   auto y = at::empty({m, n}, x.options());
   if (m == 0) return y;
 
@@ -234,11 +258,169 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   return y;
 }
 
-#else  // no VNNI: vnni_supported() is false and callers use torch._int_mm
+#elif LLMSERVE_HAS_INT_AVX2
+
+namespace {
+
+constexpr int kTileCodeRows = 4;  // integer rows per tile: 8 sums of 16 columns in registers
+
+// What the tiles of one call share (codes are signed here: no bias, no excess).
+struct Operands {
+  const int8_t* q;      // activation codes: rows of L levels, each level k bytes
+  const float* scales;  // [rows][groups]
+  int64_t k, groups;
+  const float* w_scale;  // [out_padded]
+  float* y;
+  int64_t n;  // y's columns (and row stride)
+};
+
+constexpr int64_t kAhead = 16;  // quads (of 256 bytes) a panel's first pass prefetches ahead
+
+// acc[r][h] = the int32 sums over quads [j0, j1) of R code rows times one block of 16
+// columns (its two halves of 8) of the panel. A block reads one 64-byte line of each quad's
+// 256: with `prefetch` (the panel's first block) the quad's three other lines are fetched
+// too, a few quads ahead, so that the other blocks find them in cache. (Without it, every
+// block pulled its lines from memory at a stride the hardware prefetcher follows badly:
+// 3-4x the time at one row.)
+template <int R>
+__attribute__((always_inline)) inline void sum_quads(__m256i (&acc)[R][2], const int8_t* q,
+                                                     int64_t k, const int8_t* block,
+                                                     int64_t j0, int64_t j1, bool prefetch) {
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+  for (int64_t j = j0; j < j1; ++j) {
+    const int8_t* wj = block + j * kPanel * 64;
+    if (prefetch) {
+#pragma GCC unroll 4
+      for (int c = 0; c < kPanel; ++c)
+        _mm_prefetch(reinterpret_cast<const char*>(wj) + kAhead * kPanel * 64 + 64 * c,
+                     _MM_HINT_T0);
+    }
+    const __m256i w0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(wj));
+    const __m256i w1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(wj + 32));
+    const __m256i u0 = _mm256_abs_epi8(w0), u1 = _mm256_abs_epi8(w1);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      int32_t four;
+      std::memcpy(&four, q + r * k + 4 * j, 4);
+      const __m256i a = _mm256_set1_epi32(four);
+      acc[r][0] = dot_quads(acc[r][0], u0, _mm256_sign_epi8(a, w0));
+      acc[r][1] = dot_quads(acc[r][1], u1, _mm256_sign_epi8(a, w1));
+    }
+  }
+}
+
+// T activation rows of L levels from row t0 times the panel of 64 columns from n0, one block
+// of 16 columns at a time; the float steps of the VNNI tile, 8 lanes at a time.
+template <int T, int L>
+void tile(const Operands& op, int64_t t0, const int8_t* panel, int64_t n0) {
+  const int64_t k = op.k, quads = k / 4, group_quads = quads / op.groups;
+  const int8_t* q = op.q + L * t0 * k;
+  const int64_t cols = std::min<int64_t>(kPanel * kBlock, op.n - n0);
+  __m256i acc[L * T][2];
+  alignas(32) float out[T][kBlock];
+  for (int c = 0; c < kPanel && c * kBlock < cols; ++c) {
+    const int8_t* block = panel + c * 64;
+    const float* ws = op.w_scale + n0 + c * kBlock;
+    if constexpr (L == 1) {
+      // y = (sum over groups g, in order, of acc_g s_g) w_scale
+      for (int64_t g = 0; g < op.groups; ++g) {
+        sum_quads<T>(acc, q, k, block, g * group_quads, (g + 1) * group_quads, c == 0);
+#pragma GCC unroll 4
+        for (int t = 0; t < T; ++t) {
+          const __m256 s = _mm256_set1_ps(op.scales[(t0 + t) * op.groups + g]);
+#pragma GCC unroll 2
+          for (int h = 0; h < 2; ++h) {
+            __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(acc[t][h]), s);
+            if (g > 0) v = _mm256_add_ps(_mm256_load_ps(out[t] + 8 * h), v);
+            _mm256_store_ps(out[t] + 8 * h, v);
+          }
+        }
+      }
+#pragma GCC unroll 4
+      for (int t = 0; t < T; ++t)
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; ++h)
+          _mm256_store_ps(out[t] + 8 * h, _mm256_mul_ps(_mm256_load_ps(out[t] + 8 * h),
+                                                        _mm256_loadu_ps(ws + 8 * h)));
+    } else {
+      // y = ((acc2 (1 / 254) + acc1) s) w_scale
+      sum_quads<L * T>(acc, q, k, block, 0, quads, c == 0);
+      const __m256 inv_residual = _mm256_set1_ps(1.f / kResidual);
+#pragma GCC unroll 4
+      for (int t = 0; t < T; ++t) {
+        const __m256 s = _mm256_set1_ps(op.scales[t0 + t]);
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; ++h) {
+          const __m256 a1 = _mm256_cvtepi32_ps(acc[2 * t][h]);
+          const __m256 a2 = _mm256_cvtepi32_ps(acc[2 * t + 1][h]);
+          const __m256 v = _mm256_add_ps(_mm256_mul_ps(a2, inv_residual), a1);
+          _mm256_store_ps(out[t] + 8 * h,
+                          _mm256_mul_ps(_mm256_mul_ps(v, s), _mm256_loadu_ps(ws + 8 * h)));
+        }
+      }
+    }
+    const int64_t width = std::min<int64_t>(kBlock, cols - c * kBlock);
+    for (int t = 0; t < T; ++t)
+      std::memcpy(op.y + (t0 + t) * op.n + n0 + c * kBlock, out[t], width * sizeof(float));
+  }
+}
+
+using TileFn = void (*)(const Operands&, int64_t, const int8_t*, int64_t);
+// kTiles[L - 1][T]: T rows of L levels, T up to kTileCodeRows / L.
+constexpr TileFn kTiles[2][kTileCodeRows + 1] = {
+    {nullptr, tile<1, 1>, tile<2, 1>, tile<3, 1>, tile<4, 1>},
+    {nullptr, tile<1, 2>, tile<2, 2>, nullptr, nullptr}};
+
+}  // namespace
+
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& excess,
+                       const at::Tensor& w_scale, int64_t n, int64_t levels, int64_t group) {
+  const int64_t groups = check_int8_args(x, packed, excess, w_scale, n, levels, group);
+  const int64_t m = x.size(0), k = x.size(1), panels = packed.size(0);
+  auto y = at::empty({m, n}, x.options());
+  if (m == 0) return y;
+
+  std::unique_ptr<int8_t[]> q_buf(new int8_t[levels * m * k]);
+  std::unique_ptr<float[]> scales_buf(new float[m * groups]);
+  int8_t* q = q_buf.get();
+  float* scales = scales_buf.get();
+  const float* xp = x.data_ptr<float>();
+  at::parallel_for(0, m, 8, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      auto* codes = reinterpret_cast<uint8_t*>(q + levels * r * k);  // x1, then x2
+      const float* row = xp + r * x.stride(0);
+      if (levels == 2)
+        scales[r] = split_row(row, k, 0, codes, codes + k);
+      else
+        for (int64_t g = 0; g < groups; ++g)
+          scales[r * groups + g] =
+              split_row(row + g * group, group, 0, codes + g * group, nullptr);
+    }
+  });
+
+  const int64_t tile_rows = kTileCodeRows / levels;
+  const TileFn* tiles_of = kTiles[levels - 1];
+  const int64_t tiles = (m + tile_rows - 1) / tile_rows;
+  const int8_t* wp = packed.data_ptr<int8_t>();
+  const int64_t panel_bytes = packed.size(1) * kPanel * 64;
+  const Operands op{q, scales, k, groups, w_scale.data_ptr<float>(), y.data_ptr<float>(), n};
+  // Work items: (panel, tile of rows), panel-major, as in the VNNI build.
+  at::parallel_for(0, panels * tiles, 1, [&](int64_t b, int64_t e) {
+    for (int64_t item = b; item < e; ++item) {
+      const int64_t p = item / tiles, t0 = (item % tiles) * tile_rows;
+      tiles_of[std::min<int64_t>(tile_rows, m - t0)](op, t0, wp + p * panel_bytes,
+                                                     p * kPanel * kBlock);
+    }
+  });
+  return y;
+}
+
+#else  // neither VNNI nor AVX2: int_kernels is "" and callers use torch._int_mm
 
 at::Tensor int8_linear(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                        const at::Tensor&, int64_t, int64_t, int64_t) {
-  TORCH_CHECK(false, "int8_linear needs AVX-512 VNNI");
+  TORCH_CHECK(false, "int8_linear needs AVX-512 VNNI or AVX2");
 }
 
 #endif

@@ -3,6 +3,8 @@
 
 #include <ATen/ATen.h>
 
+#include <string>
+
 namespace llmserve {
 
 // Calls f(T{}) with T the C++ type of a KV cache storage dtype (float32, bfloat16, int8,
@@ -33,7 +35,7 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up);
 at::Tensor argmax_rows(const at::Tensor& x);
 at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features);
 int64_t dense_panel_width();
-bool vnni_supported();
+std::string int_kernels();  // "avx512_vnni", "avx2", or "" (none built)
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& excess,
                        const at::Tensor& w_scale, int64_t out_features, int64_t levels,
                        int64_t group);

@@ -1,6 +1,15 @@
-// What the VNNI linear kernels (int8_linear.cpp, int4_linear.cpp) share: whether the CPU has
-// the instructions, and the split of an activation row into two int8 levels,
+// What the integer linear kernels (int8_linear.cpp, int4_linear.cpp) share: which
+// instructions they are built for, and the split of an activation row into two int8 levels,
 // x = s (x1 + x2 / 254), the arithmetic of llmserve.layers.quantization.int8.split_levels.
+//
+// Two builds of each kernel, over the same packed weights and with bitwise the same results
+// (exact integer sums, then the same float steps in the same order):
+//   AVX-512 VNNI: vpdpbusd, four u8 x s8 products summed into an int32 lane;
+//   AVX2 (AMD Zen 2/3, Intel before Ice Lake, or LLMSERVE_CPU_ISA=avx2): vpmaddubsw, two
+//     u8 x s8 products summed into an int16 lane, then vpmaddwd into int32. Its int16 sum
+//     saturates past 32767, so both operands stay small enough that it never does: int4
+//     nibbles (0..15) times codes in [-127, 127]; for int8 x int8, |w| times sign(w) x
+//     (llama.cpp's trick), both within 127 (2 x 127 x 127 = 32258).
 #pragma once
 
 #include <algorithm>
@@ -12,8 +21,14 @@
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define LLMSERVE_HAS_VNNI 1
+#define LLMSERVE_HAS_INT_AVX2 0
+#elif defined(__AVX2__) && defined(__F16C__)
+#include <immintrin.h>
+#define LLMSERVE_HAS_VNNI 0
+#define LLMSERVE_HAS_INT_AVX2 1
 #else
 #define LLMSERVE_HAS_VNNI 0
+#define LLMSERVE_HAS_INT_AVX2 0
 #endif
 
 namespace llmserve {
@@ -101,6 +116,49 @@ inline float split_row(const float* x, int64_t k, int32_t bias, uint8_t* out1, u
   return s;
 }
 
+#elif LLMSERVE_HAS_INT_AVX2
+
+// The activation split of split_row above, one element at a time, the same roundings in the
+// same order (products by 1 / s, round half to even, no fused multiply-add): bitwise the
+// same codes, scale and group sums.
+inline float split_row(const float* x, int64_t k, int32_t bias, uint8_t* out1, uint8_t* out2,
+                       int64_t group = 0, float* group_sums = nullptr) {
+  float amax = 0.f;
+  for (int64_t i = 0; i < k; ++i) amax = std::max(amax, std::fabs(x[i]));
+  const float s = std::max(amax / kLevels, std::numeric_limits<float>::min());
+  const float inv = 1.f / s;
+  int32_t sum = 0;
+  for (int64_t i = 0; i < k; ++i) {
+    const float a = std::nearbyint(x[i] * inv);
+    const int32_t x1 = static_cast<int32_t>(std::min(std::max(a, -kLevels), kLevels));
+    out1[i] = static_cast<uint8_t>(x1 + bias);
+    if (out2 == nullptr) continue;
+    const float b = std::nearbyint(((x[i] - a * s) * kResidual) * inv);
+    const int32_t x2 = static_cast<int32_t>(std::min(std::max(b, -kLevels), kLevels));
+    out2[i] = static_cast<uint8_t>(x2 + bias);
+    if (group_sums != nullptr) {
+      sum += 254 * x1 + x2;
+      if ((i + 1) % group == 0) {
+        group_sums[i / group] = static_cast<float>(sum);
+        sum = 0;
+      }
+    }
+  }
+  return s;
+}
+
+// acc (8 int32 lanes) += the sums of four adjacent byte products u8 x s8, u8 <= 255 and s8 in
+// [-127, 127] with every pair sum within int16 (see the header).
+inline __m256i dot_quads(__m256i acc, __m256i u8, __m256i s8) {
+  return _mm256_add_epi32(
+      acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u8, s8), _mm256_set1_epi16(1)));
+}
+
 #endif
+
+// The instruction set the integer kernels were built for ("" if none: callers fall back).
+inline const char* int_kernels_isa() {
+  return LLMSERVE_HAS_VNNI ? "avx512_vnni" : LLMSERVE_HAS_INT_AVX2 ? "avx2" : "";
+}
 
 }  // namespace llmserve

@@ -9,13 +9,14 @@ float16, as GGUF stores them.
 Two kernels, one per machine (a layer uses one for every batch size, so rows never depend on
 the batch):
 
-- on a CPU with AVX-512 VNNI, ``csrc/int4_linear.cpp``: activations split per row into two
-  int8 levels (about 15 bits, as for int8 layers), exact integer dot products per group
-  through ``vpdpbusd`` on nibbles unpacked in registers, group scales applied in float32;
+- on a CPU with AVX-512 VNNI or AVX2, ``csrc/int4_linear.cpp``: activations split per row
+  into two int8 levels (about 15 bits, as for int8 layers), exact integer dot products per
+  group (``vpdpbusd``, or ``vpmaddubsw`` + ``vpmaddwd`` on AVX2) on nibbles unpacked in
+  registers, group scales applied in float32; both builds give the same bits, and
   ``int4_reference`` below is the same arithmetic written plainly, for the tests;
-- elsewhere ``aten._weight_int4pack_mm_for_cpu`` (AVX-512/AVX2) with bfloat16 activations
-  and scales. Its float16 path would keep 3 more bits but is not vectorized: 60-100x
-  slower. It computes each output row on its own, so it is row-invariant too.
+- elsewhere ``aten._weight_int4pack_mm_for_cpu`` with bfloat16 activations and scales. Its
+  float16 path would keep 3 more bits but is not vectorized: 60-100x slower. It computes
+  each output row on its own, so it is row-invariant too.
 """
 
 from __future__ import annotations
@@ -30,7 +31,14 @@ from llmserve.layers.quantization.base import (
     register_linear_method,
 )
 from llmserve.layers.quantization.int8 import RESIDUAL, split_levels
-from llmserve.layers.quantization.vnni import LANES, PANEL, QUAD, aligned_empty, padded, vnni_ops
+from llmserve.layers.quantization.vnni import (
+    LANES,
+    PANEL,
+    QUAD,
+    aligned_empty,
+    int_kernel_ops,
+    padded,
+)
 
 ACT_DTYPE = torch.bfloat16
 _MAX_Q = 15
@@ -76,7 +84,7 @@ def pack_vnni(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
 
 def int4_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
                    zero: torch.Tensor) -> torch.Tensor:
-    """The VNNI kernel's arithmetic, plainly: ``x`` [M, K] float32, ``q`` [N, K] 0..15,
+    """The compiled kernel's arithmetic, plainly: ``x`` [M, K] float32, ``q`` [N, K] 0..15,
     ``scale``/``zero`` [N, G] (float16 values) -> [M, N] float32, bitwise the kernel's."""
     m, k = x.shape
     groups = scale.shape[1]
@@ -120,7 +128,7 @@ class Int4Method(LinearMethod):
     def finalize(self, layer: nn.Module) -> None:
         q, scale, zero = layer._q_unpacked, layer._scale, layer._zero
         del layer._q_unpacked, layer._scale, layer._zero
-        self._ops = vnni_ops(q.device)
+        self._ops = int_kernel_ops(q.device)
         if self._ops is not None:
             packed, scale_zero = pack_vnni(q, scale, zero)
             layer.register_buffer("qweight_vnni", packed)

@@ -1,5 +1,8 @@
-"""What the compiled VNNI linear kernels (csrc/int8_linear.cpp, csrc/int4_linear.cpp) share:
-whether they can run, and the tile their packed weights are padded to."""
+"""What the compiled integer linear kernels (csrc/int8_linear.cpp, csrc/int4_linear.cpp)
+share: whether they can run, and the tile their packed weights are padded to.
+
+The packing is the operand layout of AVX-512 VNNI's ``vpdpbusd`` (hence the module's name);
+the AVX2 build of the kernels reads the same layout, with bitwise the same results."""
 
 from __future__ import annotations
 
@@ -14,12 +17,13 @@ LANES = 16  # output channels per vector
 QUAD = 4  # input channels per vpdpbusd lane
 
 
-def vnni_ops(device: torch.device) -> ModuleType | None:
-    """The compiled module, if this layer's weights can go to the VNNI kernels."""
+def int_kernel_ops(device: torch.device) -> ModuleType | None:
+    """The compiled module, if this layer's weights can go to its integer kernels (built for
+    AVX-512 VNNI or AVX2; on other CPUs the PyTorch paths run)."""
     if device.type != "cpu":
         return None
     ops = cpu_ops()
-    return ops if ops is not None and ops.has_vnni else None
+    return ops if ops is not None and ops.int_kernels else None
 
 
 def padded(n: int) -> int:
