@@ -24,8 +24,11 @@ serve: setup
 chat: setup
 	$(BIN)/llmserve chat
 
+# Then the kernel tests again with the portable kernels forced (AVX2, no AVX-512, no VNNI):
+# the paths an AMD Zen 2/3 runs, tested on every host.
 test: setup
 	$(BIN)/python -m pytest -q
+	LLMSERVE_CPU_ISA=avx2 $(BIN)/python -m pytest -q -m "kernels and not slow"
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow"

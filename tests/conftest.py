@@ -3,6 +3,7 @@ from __future__ import annotations
 import pytest
 
 import llmserve  # noqa: F401  (sets the math library's reproducibility mode before torch)
+from llmserve import envs
 from tests.helpers.tiny_models import build_hf_model, save_hf_model, smollm2_tokenizer
 
 
@@ -26,3 +27,35 @@ def tiny_model_dir(tmp_path_factory, smol_tokenizer):
         return cache[key]
 
     return make
+
+
+# Tests of the compiled CPU kernels' results (bitwise references, batch invariance, logits
+# against transformers): `make test` runs them a second time with the portable kernels
+# forced (LLMSERVE_CPU_ISA=avx2), so that every host tests the paths an AVX2-only CPU runs.
+KERNEL_TESTS = {
+    "tests/unit/test_dense_linear.py",
+    "tests/unit/test_integer_kernels.py",
+    "tests/unit/test_attention_invariance.py",
+    "tests/unit/test_sampling_ops.py",
+    "tests/unit/test_kernel_build.py",
+    "tests/model/test_runner_invariance.py",
+    "tests/model/test_quantization.py",
+    "tests/model/test_hf_logits.py",
+    "tests/model/test_batch_equivalence.py",
+}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if item.nodeid.split("::")[0] in KERNEL_TESTS:
+            item.add_marker(pytest.mark.kernels)
+
+
+def pytest_report_header(config):
+    from llmserve.csrc import cpu_ops
+
+    ops = cpu_ops()
+    if ops is None:
+        return "llmserve CPU kernels: off (PyTorch fallbacks)"
+    return (f"llmserve CPU kernels: built for {ops.isa} (LLMSERVE_CPU_ISA={envs.LLMSERVE_CPU_ISA}),"
+            f" integer kernels: {ops.int_kernels or 'none (PyTorch)'}")

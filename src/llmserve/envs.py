@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import os
 
-# Intel MKL's "conditional numerical reproducibility" in strict mode makes each row of a
-# matrix product independent of how many rows are computed together. Without it, fp32
-# F.linear picks different kernels for different batch sizes and a request's logits would
-# depend on what else is in its batch. Users may override it (e.g. MKL_CBWR=AUTO for speed).
+# Intel MKL's "conditional numerical reproducibility" in strict mode keeps each row of a
+# matrix product independent of how many rows are computed together, on Intel CPUs (not on
+# AMD ones). Dense layers no longer rely on it (csrc/dense_linear.cpp fixes the order
+# itself); it still serves the PyTorch fallbacks that run without the compiled kernels.
 os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 
 LLMSERVE_LOG_LEVEL: str = os.environ.get("LLMSERVE_LOG_LEVEL", "INFO")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -80,10 +81,12 @@ class EngineCore:
         self.kv_manager = KVCacheManager(num_blocks, cache.block_size, enable_caching=True)
         self._families: dict[str, list[str]] = {}
         self.scheduler = Scheduler(config.scheduler, self.kv_manager)
+        start = time.perf_counter()
         self.runner = ModelRunner(self.loaded.model, arch, num_blocks=num_blocks,
                                   block_size=cache.block_size, device=config.model.device,
                                   kv_cache_dtype=kv_dtype,
                                   seed=config.seed, eos_token_ids=self.eos_token_ids)
+        self.kv_cache_seconds = time.perf_counter() - start  # allocating the KV tensors
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams, priority: int = 0) -> list[Request]:

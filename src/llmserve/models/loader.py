@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from llmserve.csrc import cpu_ops
 from llmserve.errors import ModelLoadError
 from llmserve.layers.quantization import WeightFormat
 from llmserve.models.arch_config import ArchConfig
@@ -105,6 +106,8 @@ def load_model(model: str = DEFAULT_MODEL, device: str | torch.device = "cpu", *
         keep_blocks = fmt.quantization == "int4" and fmt.group_size == 32
         weights = gguf.weights(cfg, keep_q4_blocks=keep_blocks)
     cls = _model_class(path, cfg)
+    if torch.device(device).type == "cpu":
+        cpu_ops()  # built (or found) now; a bad LLMSERVE_CPU_ISA fails here, with its name
     with torch.device(device):
         net = cls(cfg, fmt)
     try:

@@ -8,7 +8,9 @@ event; then uvicorn stops and the process exits with code 0. A second signal exi
 from __future__ import annotations
 
 import asyncio
+import os
 import time
+from pathlib import Path
 
 import uvicorn
 from fastapi import FastAPI
@@ -20,6 +22,7 @@ from llmserve.server.app import ServerState, build_app
 from llmserve.server.metrics import ServerMetrics
 
 logger = get_logger(__name__)
+_IMPORTED = time.monotonic()
 
 
 class DrainingServer(uvicorn.Server):
@@ -63,6 +66,7 @@ def create_app(engine_config: EngineConfig,
                config: ServerConfig) -> tuple[FastAPI, AsyncLLM, ServerState]:
     """Load and warm the model, start the engine thread, build the app. Also the in-process
     mode: serve the returned app with any ASGI server or test client, in this process."""
+    started = process_age_seconds()  # interpreter start, imports, arguments
     model_name = config.served_model_name or engine_config.model.model
     metrics = ServerMetrics(model_name)
     engine = AsyncLLM(engine_config, max_queued_requests=config.max_queued_requests,
@@ -70,11 +74,28 @@ def create_app(engine_config: EngineConfig,
                       request_timeout=config.request_timeout, stats=metrics)
     state = ServerState()
     app = build_app(engine, config, metrics, state, model_name)
+    warm_start = time.perf_counter()
     engine.warm_up()
+    warm_up = time.perf_counter() - warm_start
     engine.start()
     metrics.update_gauges(engine.core.stats())
     state.ready = True
+    core = engine.core
+    logger.info("ready %.1f s after the process started (imports %.1f s, model load %.1f s, "
+                "KV cache %.1f s, warm-up %.1f s)", process_age_seconds(), started,
+                core.loaded.load_seconds, core.kv_cache_seconds, warm_up)
     return app, engine, state
+
+
+def process_age_seconds() -> float:
+    """Seconds since this process started (Linux: its start time in /proc; elsewhere, since
+    this module was imported)."""
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        start = int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22: ticks after boot
+        return float(Path("/proc/uptime").read_text().split()[0]) - start
+    except (OSError, ValueError, IndexError):
+        return time.monotonic() - _IMPORTED
 
 
 def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
