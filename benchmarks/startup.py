@@ -7,7 +7,11 @@ KV cache, warm-up) is printed for the last run. The compiled kernels are assumed
 (a first start compiles them: --cold measures one such start in an empty cache first).
 
     .venv/bin/python benchmarks/startup.py [--runs 5] [--llama-server PATH] [--cold]
-        [-- extra llmserve serve options]
+        [--baseline-src DIR] [-- extra llmserve serve options]
+
+--baseline-src starts a third server from another checkout's src/ (an earlier commit:
+`git worktree add /tmp/base <commit>`, then --baseline-src /tmp/base/src), alternating with
+the others: a before/after in one run.
 
 llama-server: --llama-server, else $LLAMA_SERVER, else benchmarks/build_llama_server.sh's
 binary if it was built (the script builds it; it is skipped otherwise).
@@ -85,6 +89,8 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--llama-server", default=None)
+    ap.add_argument("--baseline-src", default=None,
+                    help="also start llmserve from this source tree (PYTHONPATH)")
     ap.add_argument("--cold", action="store_true",
                     help="first, one llmserve start with an empty kernel cache (a compile)")
     ap.add_argument("server_args", nargs="*", help="extra `llmserve serve` options (after --)")
@@ -105,12 +111,17 @@ def main() -> None:
             shutil.rmtree(cache, ignore_errors=True)
         print(f"llmserve, empty kernel cache (compiles the kernels): {cold:.1f} s")
 
-    times: dict[str, list[float]] = {"llmserve": [], "llama-server": []}
+    times: dict[str, list[float]] = {"llmserve": [], "llmserve (baseline)": [],
+                                     "llama-server": []}
     phases = ""
     for _ in range(args.runs):
         t, log = time_to_ready(ours, f"http://127.0.0.1:{port}/ready")
         times["llmserve"].append(t)
         phases = next((m.group(0) for m in re.finditer(r"ready [^\n]*", log)), phases)
+        if args.baseline_src:
+            env = {**os.environ, "PYTHONPATH": args.baseline_src}
+            t, _ = time_to_ready(ours, f"http://127.0.0.1:{port}/ready", env)
+            times["llmserve (baseline)"].append(t)
         if theirs:
             t, _ = time_to_ready(theirs, f"http://127.0.0.1:{port}/health")
             times["llama-server"].append(t)

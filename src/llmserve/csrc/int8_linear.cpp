@@ -73,6 +73,27 @@ int64_t check_int8_args(const at::Tensor& x, const at::Tensor& packed, const at:
   return groups;
 }
 
+// Each row of x as `levels` rows of int8 codes (x1, then x2 with two levels; with one level,
+// each group of `group` inputs with its own scale), plus `bias` (128 makes them vpdpbusd's
+// unsigned operand; AVX2 keeps them signed). codes: [m][levels][k]; scales: [m][groups].
+void quantize_activations(const at::Tensor& x, int64_t levels, int64_t group, int32_t bias,
+                          uint8_t* codes, float* scales) {
+  const int64_t m = x.size(0), k = x.size(1), groups = k / group;
+  const float* xp = x.data_ptr<float>();
+  at::parallel_for(0, m, 8, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      uint8_t* row_codes = codes + levels * r * k;
+      const float* row = xp + r * x.stride(0);
+      if (levels == 2)
+        scales[r] = split_row(row, k, bias, row_codes, row_codes + k);
+      else
+        for (int64_t g = 0; g < groups; ++g)
+          scales[r * groups + g] =
+              split_row(row + g * group, group, bias, row_codes + g * group, nullptr);
+    }
+  });
+}
+
 }  // namespace
 
 #endif
@@ -213,19 +234,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   std::unique_ptr<float[]> scales_buf(new float[m * groups]);
   uint8_t* q = q_buf.get();
   float* scales = scales_buf.get();
-  const float* xp = x.data_ptr<float>();
-  at::parallel_for(0, m, 8, [&](int64_t b, int64_t e) {
-    for (int64_t r = b; r < e; ++r) {
-      uint8_t* codes = q + levels * r * k;  // x1 + 128, then x2 + 128 with two levels
-      const float* row = xp + r * x.stride(0);
-      if (levels == 2)
-        scales[r] = split_row(row, k, 128, codes, codes + k);
-      else  // each group of the row quantized with its own scale
-        for (int64_t g = 0; g < groups; ++g)
-          scales[r * groups + g] =
-              split_row(row + g * group, group, 128, codes + g * group, nullptr);
-    }
-  });
+  quantize_activations(x, levels, group, 128, q, scales);  // x1 + 128 (, x2 + 128)
 
   // Work items: (panel, tile of rows), panel-major so that a thread runs the row tiles of
   // one panel back to back while its 64 columns of weights sit in cache.
@@ -385,19 +394,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   std::unique_ptr<float[]> scales_buf(new float[m * groups]);
   int8_t* q = q_buf.get();
   float* scales = scales_buf.get();
-  const float* xp = x.data_ptr<float>();
-  at::parallel_for(0, m, 8, [&](int64_t b, int64_t e) {
-    for (int64_t r = b; r < e; ++r) {
-      auto* codes = reinterpret_cast<uint8_t*>(q + levels * r * k);  // x1, then x2
-      const float* row = xp + r * x.stride(0);
-      if (levels == 2)
-        scales[r] = split_row(row, k, 0, codes, codes + k);
-      else
-        for (int64_t g = 0; g < groups; ++g)
-          scales[r * groups + g] =
-              split_row(row + g * group, group, 0, codes + g * group, nullptr);
-    }
-  });
+  quantize_activations(x, levels, group, 0, reinterpret_cast<uint8_t*>(q), scales);
 
   const int64_t tile_rows = kTileCodeRows / levels;
   const TileFn* tiles_of = kTiles[levels - 1];
