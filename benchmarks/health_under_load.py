@@ -82,6 +82,24 @@ async def measure(url: str, model: str, streams: int, checks: int, prompt_len: i
         return idle, busy, still
 
 
+async def measure_big_prompts(url: str, model: str, count: int, chars: int,
+                              checks: int) -> tuple[list[float], list[float], list[int], float]:
+    """/health while ``count`` prompts of ``chars`` characters arrive at once (each is
+    tokenized, or refused as too long, and answered with max_tokens 1)."""
+    async with httpx.AsyncClient(timeout=600) as client:
+        idle = await health_latencies(client, url, checks)
+        text = ("word " * (chars // 5 + 1))[:chars]
+        body = {"model": model, "prompt": text, "max_tokens": 1}
+        t0 = time.perf_counter()
+        big = [asyncio.ensure_future(client.post(f"{url}/v1/completions", json=body))
+               for _ in range(count)]
+        busy: list[float] = []
+        while not all(t.done() for t in big) or len(busy) < checks:
+            busy += await health_latencies(client, url, 1)
+        elapsed = time.perf_counter() - t0
+        return idle, busy, [t.result().status_code for t in big], elapsed
+
+
 def summary(xs: list[float]) -> str:
     qs = statistics.quantiles(xs, n=100)
     return (f"p50 {statistics.median(xs) * 1e3:.1f} ms, p90 {qs[89] * 1e3:.1f} ms, "
@@ -95,11 +113,28 @@ def main() -> None:
     ap.add_argument("--checks", type=int, default=50)
     ap.add_argument("--prompt-len", type=int, default=200)
     ap.add_argument("--max-tokens", type=int, default=400)
+    ap.add_argument("--big-prompts", type=int, default=0,
+                    help="instead of streams: send this many long prompts at once")
+    ap.add_argument("--big-prompt-chars", type=int, default=4_000_000)
     ap.add_argument("server_args", nargs="*", help="extra `llmserve serve` options (after --)")
     args = ap.parse_args()
     port = free_port()
     with tempfile.NamedTemporaryFile("w", suffix=".log", delete=False) as log:
         proc = start(args.model, port, args.server_args, log)
+        if args.big_prompts:
+            try:
+                idle, busy, statuses, elapsed = asyncio.run(measure_big_prompts(
+                    f"http://127.0.0.1:{port}", args.model, args.big_prompts,
+                    args.big_prompt_chars, args.checks))
+            finally:
+                proc.send_signal(signal.SIGTERM)
+                proc.wait(60)
+            print(f"# {args.model}, {os.cpu_count()} CPUs, {args.big_prompts} prompts of "
+                  f"{args.big_prompt_chars} characters at once (answered {statuses} after "
+                  f"{elapsed:.1f} s)")
+            print(f"/health idle:        {summary(idle)}")
+            print(f"/health big prompts: {summary(busy)}  ({len(busy)} checks)")
+            return
         try:
             idle, busy, still = asyncio.run(measure(
                 f"http://127.0.0.1:{port}", args.model, args.streams, args.checks,

@@ -58,6 +58,20 @@ def _build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
                      help="on SIGTERM, time running requests get to finish")
     srv.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
+    srv.add_argument("--engine-hang-timeout", type=float, default=60.0, metavar="SECONDS",
+                     help="restart the engine process if it has work and makes no step for "
+                          "this long")
+    srv.add_argument("--engine-max-restarts", type=int, default=5,
+                     help="exit (code 1) after more engine restarts than this within "
+                          "--engine-restart-window")
+    srv.add_argument("--engine-restart-window", type=float, default=300.0, metavar="SECONDS")
+    srv.add_argument("--allowed-hosts", default=None, metavar="NAMES",
+                     help="comma-separated Host header names to answer, or '*' for any "
+                          "(default: the loopback names when bound to loopback, else any)")
+    srv.add_argument("--header-timeout", type=float, default=10.0, metavar="SECONDS",
+                     help="close connections whose request headers take longer than this")
+    srv.add_argument("--body-timeout", type=float, default=30.0, metavar="SECONDS",
+                     help="answer 408 when a request body stalls longer than this")
     srv.set_defaults(func=_cmd_serve)
 
     from llmserve.bench.cli import add_bench_parser
@@ -139,6 +153,7 @@ def _make_llm(args: argparse.Namespace):
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     from llmserve.config import ServerConfig
+    from llmserve.server.http_guard import parse_allowed_hosts
     from llmserve.server.launcher import serve
 
     config = ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
@@ -147,7 +162,13 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                           max_queued_tokens=args.max_queued_tokens,
                           request_timeout=args.request_timeout,
                           shutdown_timeout=args.shutdown_timeout,
-                          max_body_bytes=args.max_body_bytes)
+                          max_body_bytes=args.max_body_bytes,
+                          engine_hang_timeout=args.engine_hang_timeout,
+                          engine_max_restarts=args.engine_max_restarts,
+                          engine_restart_window=args.engine_restart_window,
+                          allowed_hosts=parse_allowed_hosts(args.allowed_hosts, args.host),
+                          header_timeout=args.header_timeout,
+                          body_timeout=args.body_timeout)
     return serve(_engine_config(args), config)
 
 

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from llmserve.attention.kv_format import KV_CACHE_DTYPE_CHOICES
-from llmserve.layers.quantization import WeightFormat, list_quantization_methods
-from llmserve.models.loader import DEFAULT_MODEL
+from llmserve.models.names import DEFAULT_MODEL
 
 SCHEDULING_MODES = ("continuous", "static")
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -24,6 +22,8 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        from llmserve.layers.quantization import WeightFormat  # torch: only for a model
+
         choices = quantization_choices()
         if self.quantization not in choices:
             raise ValueError(f"quantization must be one of {choices}, got {self.quantization!r}")
@@ -32,6 +32,8 @@ class ModelConfig:
 
 
 def quantization_choices() -> tuple[str, ...]:
+    from llmserve.layers.quantization import list_quantization_methods
+
     return ("auto", *list_quantization_methods())
 
 
@@ -44,6 +46,8 @@ class CacheConfig:
     kv_cache_dtype: str = "auto"  # auto: the dense weight dtype
 
     def __post_init__(self) -> None:
+        from llmserve.attention.kv_format import KV_CACHE_DTYPE_CHOICES
+
         if self.kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPE_CHOICES}, "
                              f"got {self.kv_cache_dtype!r}")
@@ -95,6 +99,16 @@ class ServerConfig:
     request_timeout: float | None = None  # seconds
     shutdown_timeout: float = 30.0  # seconds to let running requests finish on SIGTERM
     max_body_bytes: int = 4 * 1024 * 1024
+    # The watchdog: an engine with work and no step for this long is killed and restarted;
+    # more than engine_max_restarts restarts within engine_restart_window s: exit 1.
+    engine_hang_timeout: float = 60.0
+    engine_max_restarts: int = 5
+    engine_restart_window: float = 300.0
+    # Host header names answered (None: any; the CLI defaults to the loopback names when
+    # bound to loopback), and the deadlines for a client's headers and each body chunk.
+    allowed_hosts: tuple[str, ...] | None = None
+    header_timeout: float = 10.0
+    body_timeout: float = 30.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -105,5 +119,17 @@ class ServerConfig:
                 raise ValueError(f"{name.replace('_', '-')} must be >= 1, got {value}")
         if self.request_timeout is not None and self.request_timeout <= 0:
             raise ValueError(f"request-timeout must be > 0 seconds, got {self.request_timeout}")
+        if self.engine_hang_timeout <= 0:
+            raise ValueError(f"engine-hang-timeout must be > 0 seconds, "
+                             f"got {self.engine_hang_timeout}")
+        if self.engine_max_restarts < 0:
+            raise ValueError(f"engine-max-restarts must be >= 0, got {self.engine_max_restarts}")
+        if self.engine_restart_window <= 0:
+            raise ValueError(f"engine-restart-window must be > 0 seconds, "
+                             f"got {self.engine_restart_window}")
+        for name in ("header_timeout", "body_timeout"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name.replace('_', '-')} must be > 0 seconds, "
+                                 f"got {getattr(self, name)}")
         if self.shutdown_timeout < 0:
             raise ValueError(f"shutdown-timeout must be >= 0, got {self.shutdown_timeout}")

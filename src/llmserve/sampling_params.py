@@ -16,6 +16,7 @@ from typing import Any
 
 MAX_LOGPROBS = 20
 MAX_N = 128
+MAX_TOP_K = 2**31 - 1  # larger means the whole vocabulary anyway
 _GREEDY_EPS = 1e-5
 
 
@@ -88,8 +89,10 @@ class SamplingParams:
                                 f"got {self.min_tokens}")
         _float_in("temperature", self.temperature, 0.0, 2.0)
         _float_in("top_p", self.top_p, 0.0, 1.0, low_open=True)
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
-            _fail("top_k", f"must be -1 or 0 (disabled) or a positive integer, got {self.top_k}")
+        if (not isinstance(self.top_k, int) or isinstance(self.top_k, bool)
+                or not -1 <= self.top_k <= MAX_TOP_K):
+            _fail("top_k", f"must be -1 or 0 (disabled) or a positive integer up to "
+                           f"{MAX_TOP_K}, got {self.top_k}")
         _float_in("min_p", self.min_p, 0.0, 1.0)
         _float_in("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _float_in("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
@@ -124,7 +127,8 @@ class SamplingParams:
         """Parameters of the index-th of n sequences: n = 1 and, if seeded, seed + index."""
         from dataclasses import replace
 
-        seed = None if self.seed is None else self.seed + index
+        # Wrapped into the signed 64-bit range (seed 2**63 - 1 with n = 2 stays valid).
+        seed = None if self.seed is None else (self.seed + index + 2**63) % 2**64 - 2**63
         return replace(self, n=1, seed=seed)
 
 

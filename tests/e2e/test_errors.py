@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import socket
+import time
 
 import httpx
 import pytest
@@ -134,3 +137,196 @@ def test_deadline_ends_a_request_with_a_clear_error(tight_server):
     assert "request_timeout" in lines[-2]
     m = tight_server.wait_idle()
     assert m["llmserve:kv_cache_usage_perc"] == 0
+
+
+# ---- inputs that used to reach code that raises ------------------------------------------
+
+
+def _chat(content) -> dict:
+    return {"messages": [{"role": "user", "content": content}], "max_tokens": 2}
+
+
+@pytest.mark.parametrize("path, body, param, fragment", [
+    ("/v1/completions", {"prompt": "a\ud800b"}, "prompt", "lone surrogate (U+D800)"),
+    ("/v1/completions", {"prompt": ["ok", "nul\x00"]}, "prompt", "NUL character"),
+    ("/v1/chat/completions", _chat("x\udfff"), "messages.0.content", "lone surrogate"),
+    ("/v1/chat/completions", _chat([{"type": "text", "text": 5}]), "messages.0.content",
+     "'text' must be a string, got int"),
+    ("/v1/chat/completions", _chat([{"type": "text", "text": None}]), "messages.0.content",
+     "got null"),
+    ("/v1/chat/completions", _chat([{"type": "text", "text": ["a"]}]), "messages.0.content",
+     "got list"),
+    ("/v1/chat/completions", _chat([{"type": "image_url", "image_url": {"url": "x"}}]),
+     "messages.0.content", "text only"),
+    ("/v1/chat/completions", {**_chat("hi"), "top_k": 2**63}, "top_k",
+     "up to 2147483647, got 9223372036854775808"),
+    ("/v1/completions", {"prompt": "hi", "seed": 2**64}, "seed", "seed must be in [-"),
+    ("/v1/completions", {"prompt": "hi", "priority": 2**40}, "priority",
+     "less than or equal to 2147483647, got 1099511627776"),
+    ("/v1/completions", {"prompt": "hi", "min_tokens": 2**70}, "min_tokens",
+     "min_tokens must be <= max_tokens"),
+    ("/v1/chat/completions", {**_chat("hi"), "min_tokens": 2**70, "max_tokens": None}, None,
+     "min_tokens (1180591620717411303424) exceeds"),
+    ("/v1/completions", {"prompt": [2**40]}, None, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "stop_token_ids": [2**40]}, None, "stop_token_ids"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {str(2**70): 1}}, "logit_bias",
+     "outside the vocabulary"),
+    ("/v1/completions", {"prompt": "hi", "stop": ["\ud800"]}, None, "lone surrogate"),
+    ("/tokenize", {"prompt": "\ud800"}, "prompt", "lone surrogate"),
+])
+def test_bad_inputs_are_400_with_what_was_wrong(tiny_server, path, body, param, fragment):
+    # json.dumps escapes lone surrogates as \ud800, as a JavaScript client would send them
+    r = httpx.post(f"{tiny_server.url}{path}", timeout=30,
+                   headers={**AUTH, "content-type": "application/json"},
+                   content=json.dumps({"model": tiny_server.model, **body}))
+    err = _envelope(r, 400)
+    if param is not None:
+        assert err["param"] == param, err
+    assert fragment in err["message"], err
+
+
+def test_inputs_that_used_to_500_are_served(tiny_server):
+    url = tiny_server.url
+    # OpenAI-style content parts and a null content on /tokenize
+    for messages in ([{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                    {"type": "text", "text": "b"}]}],
+                     [{"role": "user", "content": "q"}, {"role": "assistant", "content": None}]):
+        r = httpx.post(f"{url}/tokenize", headers=AUTH, json={"messages": messages})
+        assert r.status_code == 200, r.text
+        assert r.json()["count"] > 0
+    r = httpx.post(f"{url}/v1/completions", headers=AUTH, timeout=30, json={
+        "model": tiny_server.model, "prompt": "hi", "seed": 2**63 - 1, "n": 2,
+        "max_tokens": 3, "temperature": 1.0})
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 2
+
+
+def test_every_error_is_in_the_envelope(tiny_server):
+    url = tiny_server.url
+    err = _envelope(httpx.get(f"{url}/v1/nothing", headers=AUTH), 404, code="not_found")
+    assert "GET /v1/nothing" in err["message"]
+    err = _envelope(httpx.get(f"{url}/v1/completions", headers=AUTH), 405,
+                    code="method_not_allowed")
+    assert "POST" in err["message"]
+    r = httpx.post(f"{url}/v1/completions", headers={**AUTH, "content-type":
+                   "application/json"}, content=b'{"model": "m",\n "prompt": "hi",, }')
+    err = _envelope(r, 400, code="invalid_json")
+    assert err["message"].startswith("invalid JSON at line 2 column 17: Expecting"), err
+
+
+def test_authentication_comes_before_the_body(tiny_server):
+    r = httpx.post(f"{tiny_server.v1}/completions", content=b"{not json",
+                   headers={"content-type": "application/json"})
+    _envelope(r, 401, code="invalid_api_key")
+    r = httpx.post(f"{tiny_server.v1}/completions", content=b"x" * (5 * 1024 * 1024),
+                   headers={"content-type": "application/json"})
+    _envelope(r, 401, code="invalid_api_key")
+    assert httpx.get(f"{tiny_server.url}/openapi.json").status_code == 401
+    assert httpx.get(f"{tiny_server.url}/openapi.json", headers=AUTH).status_code == 200
+
+
+def test_chunked_body_over_the_limit_is_413(tiny_server):
+    def chunks():
+        for _ in range(6):
+            yield b"x" * (1024 * 1024)
+
+    r = httpx.post(f"{tiny_server.v1}/completions", headers={
+        **AUTH, "content-type": "application/json"}, content=chunks(), timeout=30)
+    _envelope(r, 413, code="request_too_large")
+
+
+def test_a_prompt_that_cannot_fit_is_refused_without_tokenizing(tiny_server):
+    r = httpx.post(f"{tiny_server.v1}/completions", headers=AUTH, timeout=30, json={
+        "model": tiny_server.model, "prompt": "w" * 3_000_000})
+    err = _envelope(r, 400, param="prompt", code="context_length_exceeded")
+    assert "3000000 characters" in err["message"] and "cannot fit" in err["message"]
+
+
+def test_a_429_is_not_an_abort(tight_server):
+    before = tight_server.metrics().get("llmserve:request_aborted_total", 0.0)
+
+    async def run() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=60) as client:
+            body = {"model": tight_server.model, "prompt": ["a", "b", "c", "d"],
+                    "max_tokens": 5, "ignore_eos": True}
+            return await asyncio.gather(*[client.post(f"{tight_server.v1}/completions",
+                                                      json=body) for _ in range(3)])
+
+    statuses = [r.status_code for r in asyncio.run(run())]
+    assert 429 in statuses, statuses
+    m = tight_server.wait_idle()
+    assert m.get("llmserve:request_aborted_total", 0.0) == before
+
+
+# ---- HTTP hygiene --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def guard_server(tiny_path, tmp_path_factory):
+    """Short header and body deadlines; default allowed hosts (bound to loopback)."""
+    server = start_server(tiny_path, tmp_path_factory.mktemp("guard"), "--max-model-len",
+                          "256", "--header-timeout", "1", "--body-timeout", "1",
+                          name="guard")
+    yield server
+    assert server.stop() == 0
+
+
+def _raw(server, data: bytes, wait: float = 0.0, chunks: tuple[bytes, ...] = ()) -> bytes:
+    """Send bytes on a fresh connection; return all that comes back until it closes."""
+    port = int(server.url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(data)
+        time.sleep(wait)
+        for chunk in chunks:
+            s.sendall(chunk)
+        out = b""
+        while True:
+            try:
+                got = s.recv(65536)
+            except (ConnectionResetError, TimeoutError):
+                break
+            if not got:
+                break
+            out += got
+    return out
+
+
+def _status_and_json(raw: bytes) -> tuple[int, dict, bytes]:
+    head, _, body = raw.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(body), head.lower()
+
+
+def test_content_length_with_transfer_encoding_is_refused_and_closed(guard_server):
+    body = b'{"prompt": "hi", "max_tokens": 1}'
+    raw = _raw(guard_server, b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+               b"Content-Type: application/json\r\nContent-Length: " + str(len(body)).encode()
+               + b"\r\nTransfer-Encoding: chunked\r\n\r\n" + hex(len(body))[2:].encode()
+               + b"\r\n" + body + b"\r\n0\r\n\r\n")
+    status, err, head = _status_and_json(raw)
+    assert status == 400 and err["error"]["code"] == "ambiguous_framing"
+    assert b"connection: close" in head  # and _raw saw it close
+
+
+def test_slow_headers_and_slow_bodies_are_timed_out(guard_server):
+    start = time.monotonic()
+    raw = _raw(guard_server, b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+    status, err, _ = _status_and_json(raw)
+    assert status == 408 and "headers" in err["error"]["message"]
+    assert time.monotonic() - start < 5
+    raw = _raw(guard_server, b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+               b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"pro")
+    status, err, _ = _status_and_json(raw)
+    assert status == 408 and "body stalled" in err["error"]["message"]
+
+
+def test_header_count_and_host_are_checked(guard_server):
+    many = b"".join(b"X-H%d: v\r\n" % i for i in range(150))
+    raw = _raw(guard_server, b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n" + many + b"\r\n")
+    status, err, _ = _status_and_json(raw)
+    assert status == 431 and err["error"]["code"] == "too_many_headers"
+    r = httpx.get(f"{guard_server.url}/health", headers={"Host": "evil.example:80"})
+    _envelope(r, 421, code="host_not_allowed")
+    port = guard_server.url.rsplit(":", 1)[1]
+    for host in (f"localhost:{port}", f"127.0.0.1:{port}", f"[::1]:{port}"):
+        assert httpx.get(f"{guard_server.url}/health", headers={"Host": host}).status_code \
+            == 200

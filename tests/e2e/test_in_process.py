@@ -1,4 +1,5 @@
-"""The in-process mode: the app and its engine thread in the test's own process."""
+"""The in-process mode: the app served by a test client in the test's own process, with its
+engine in a child process as in `llmserve serve`."""
 
 from __future__ import annotations
 
@@ -14,19 +15,27 @@ def test_in_process_app_serves_requests(tiny_path):
     engine_config = EngineConfig(model=ModelConfig(tiny_path, max_model_len=512),
                                  cache=CacheConfig(num_blocks=64))
     app, engine, state = create_app(engine_config, ServerConfig())
-    try:
-        async def go() -> None:
-            transport = httpx.ASGITransport(app=app)
-            async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+
+    async def go() -> None:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+            assert (await c.get("/ready")).status_code == 503  # no engine yet
+            await engine.start()
+            try:
                 assert (await c.get("/ready")).status_code == 200
                 r = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 5,
                                                           "ignore_eos": True})
                 assert r.status_code == 200, r.text
                 assert r.json()["usage"]["completion_tokens"] == 5
+                for _ in range(100):  # the engine reports its blocks freed after the step
+                    if engine.last_stats.kv_blocks_used == 0:
+                        break
+                    await asyncio.sleep(0.01)
+                assert engine.last_stats.kv_blocks_used == 0
                 state.draining = True
                 assert (await c.get("/ready")).status_code == 503
+            finally:
+                await engine.shutdown()
+        assert engine.health().status == "stopped"
 
-        asyncio.run(go())
-    finally:
-        engine.shutdown()
-    assert engine.core.stats().kv_blocks_used == 0
+    asyncio.run(go())

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from llmserve import LLM, SamplingParams
-from llmserve.engine.core import ContextLengthError
+from llmserve.engine.validation import ContextLengthError
 from llmserve.runner.scoring import sequence_logits
 
 

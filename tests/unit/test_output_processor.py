@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from llmserve.engine.core import EngineCoreOutput
+from llmserve.engine.messages import EngineCoreOutput
 from llmserve.engine.output_processor import OutputProcessor
 from llmserve.sampling_params import SamplingParams
 

@@ -10,7 +10,9 @@ from llmserve.sampling_params import SamplingParams
 @pytest.mark.parametrize("kwargs, message", [
     ({"temperature": -1}, r"temperature must be in \[0, 2\], got -1"),
     ({"top_p": 0}, r"top_p must be in \(0, 1\], got 0"),
-    ({"top_k": -2}, r"top_k must be -1 or 0 \(disabled\) or a positive integer, got -2"),
+    ({"top_k": -2}, r"top_k must be -1 or 0 \(disabled\) or a positive integer up to "
+                    r"2147483647, got -2"),
+    ({"top_k": 2**63}, r"top_k must be .* up to 2147483647, got 9223372036854775808"),
     ({"logprobs": 50}, r"logprobs must be in \[0, 20\], got 50"),
     ({"prompt_logprobs": 21}, r"prompt_logprobs must be in \[0, 20\], got 21"),
     ({"max_tokens": 0}, r"max_tokens must be at least 1, got 0"),
@@ -49,3 +51,9 @@ def test_child_params_offset_the_seed():
     p = SamplingParams(n=3, seed=10)
     assert [p.child(i).seed for i in range(3)] == [10, 11, 12]
     assert p.child(1).n == 1
+
+
+def test_child_seeds_stay_in_the_signed_64_bit_range():
+    top = SamplingParams(n=3, seed=2**63 - 1)
+    assert [top.child(i).seed for i in range(3)] == [2**63 - 1, -(2**63), -(2**63) + 1]
+    assert SamplingParams(n=2, seed=5).child(1).seed == 6

@@ -93,6 +93,9 @@ def _build_lock(build_dir: Path) -> Iterator[None]:
 
 def _build_key(flags: list[str]) -> str:
     h = hashlib.sha256()
+    # torch's build files name the sources by path: two checkouts sharing one build
+    # directory would rebuild each other's kernels on every start.
+    h.update(str(_SOURCES[0].parent).encode())
     for src in _SOURCES + _HEADERS:
         h.update(src.read_bytes())
     h.update(" ".join(flags).encode())

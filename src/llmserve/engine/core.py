@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
 
 import torch
 
 from llmserve.attention.kv_format import kv_bytes_per_vector, resolve_kv_cache_dtype
 from llmserve.config import EngineConfig
+from llmserve.engine.messages import EngineCoreOutput
 from llmserve.engine.request import Request, RequestStatus
+from llmserve.engine.validation import check_request
 from llmserve.host_memory import retain_freed_memory
 from llmserve.kv_cache import KVCacheManager, KVCacheSpec, num_blocks_for_memory
 from llmserve.kv_cache.sizing import default_kv_cache_memory_gib, describe_capacity
@@ -19,37 +20,8 @@ from llmserve.models.loader import LoadedModel, load_model
 from llmserve.runner import ModelRunner
 from llmserve.sampling_params import SamplingParams
 from llmserve.scheduler import Scheduler, SchedulerStats
-from llmserve.scheduler.output import TokenLogprobs
 
 logger = get_logger(__name__)
-
-
-class ContextLengthError(ValueError):
-    """A prompt, or a prompt plus max_tokens, does not fit the context window."""
-
-
-@dataclass
-class EngineCoreOutput:
-    """What one step produced for one sequence; plain data for the frontend.
-
-    With n > 1 each of the n sequences is an engine request of its own: ``request_id`` is
-    the user's request, ``index`` says which sequence.
-    """
-
-    request_id: str
-    index: int
-    new_token_ids: list[int]
-    finish_reason: str | None  # "stop", "length", "abort" or None
-    stop_reason: int | str | None
-    num_prompt_tokens: int
-    num_cached_tokens: int
-    new_logprobs: list[TokenLogprobs | None] | None = None  # one per new token, if asked
-    prompt_logprobs: list[TokenLogprobs | None] | None = None  # once, with the first token
-    first_scheduled_time: float | None = None  # time.monotonic() when first scheduled
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
 
 
 class EngineCore:
@@ -113,29 +85,8 @@ class EngineCore:
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         """Check a request against the context window and vocabulary; returns the resolved
         max_tokens. Raises ContextLengthError or ValueError with a message for the user."""
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise ValueError("prompt is empty: it must contain at least one token")
-        if n >= self.max_model_len:
-            raise ContextLengthError(
-                f"the prompt has {n} tokens, the context window is {self.max_model_len}: "
-                "no room left to generate")
-        room = self.max_model_len - n
-        max_tokens = room if params.max_tokens is None else params.max_tokens
-        if max_tokens > room:
-            raise ContextLengthError(
-                f"the prompt ({n} tokens) plus max_tokens ({max_tokens}) exceeds the context "
-                f"window of {self.max_model_len} tokens; lower max_tokens to at most {room}")
-        vocab = self.loaded.arch_config.vocab_size
-        if any(t < 0 or t >= vocab for t in prompt_token_ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        for name, ids in (("stop_token_ids", params.stop_token_ids),
-                          ("logit_bias", list(params.logit_bias or ()))):
-            bad = [t for t in ids if t >= vocab]
-            if bad:
-                raise ValueError(f"{name} has token id {bad[0]}, outside the vocabulary "
-                                 f"[0, {vocab})")
-        return max_tokens
+        return check_request(prompt_token_ids, params, self.max_model_len,
+                             self.loaded.arch_config.vocab_size)
 
     def abort(self, request_id: str, index: int | None = None, *,
               stopped: bool = False) -> bool:
@@ -179,6 +130,19 @@ class EngineCore:
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
+
+    def waiting_tokens(self) -> int:
+        """Prompt tokens of the requests waiting to be scheduled."""
+        return sum(r.num_prompt_tokens for r in self.scheduler.waiting)
+
+    def warm_up(self) -> float:
+        """Run one short request through so no user pays for first-call costs; seconds."""
+        start = time.perf_counter()
+        self.add_request("warmup", self.tokenizer.encode("Hello") or [0],
+                         SamplingParams(max_tokens=2, temperature=0))
+        while self.has_unfinished():
+            self.step()
+        return time.perf_counter() - start
 
     def _resolve_max_model_len(self, kv_capacity_tokens: int) -> int:
         native = self.loaded.arch_config.max_position_embeddings

