@@ -17,7 +17,8 @@ class ScheduledRequest:
     block_ids: list[int]  # the request's whole block table
     sample: bool  # the step reaches the request's last known token: sample the next one
     sampling_params: SamplingParams
-    # The request's own lists (not copies), read by penalties and prompt logprobs.
+    # Copies of the request's tokens where the step reads them (penalties, min_tokens,
+    # prompt logprobs); empty otherwise.
     prompt_token_ids: list[int] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
 

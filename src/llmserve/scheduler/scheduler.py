@@ -184,6 +184,12 @@ class Scheduler:
     def _schedule(self, req: Request, num_new: int) -> ScheduledRequest:
         start = req.num_computed_tokens
         req.num_computed_tokens += num_new
+        # The step owns its data: copies of the request's lists, made only where the step
+        # reads them (penalties, min_tokens, prompt logprobs while prefilling).
+        params = req.sampling_params
+        needs_prompt = params.repetition_penalty != 1.0 or (
+            params.prompt_logprobs is not None and start < req.num_prompt_tokens)
+        needs_output = params.has_penalties or params.min_tokens > 0
         return ScheduledRequest(
             request_id=req.request_id,
             token_ids=req.all_token_ids[start:start + num_new],
@@ -191,8 +197,8 @@ class Scheduler:
             block_ids=self.kv.get_block_ids(req.request_id),
             sample=req.num_computed_tokens == req.num_tokens,
             sampling_params=req.sampling_params,
-            prompt_token_ids=req.prompt_token_ids,
-            output_token_ids=req.output_token_ids,
+            prompt_token_ids=list(req.prompt_token_ids) if needs_prompt else [],
+            output_token_ids=list(req.output_token_ids) if needs_output else [],
         )
 
     def _admission_queue(self) -> list[Request]:
