@@ -107,7 +107,7 @@ async def measure_big_prompts(url: str, model: str, count: int, chars: int,
 
 
 def summary(xs: list[float]) -> str:
-    qs = statistics.quantiles(xs, n=100)
+    qs = statistics.quantiles(xs, n=100, method="inclusive")
     return (f"p50 {statistics.median(xs) * 1e3:.1f} ms, p90 {qs[89] * 1e3:.1f} ms, "
             f"p99 {qs[98] * 1e3:.1f} ms, max {max(xs) * 1e3:.1f} ms")
 

@@ -77,6 +77,25 @@ def test_models_tokenize_detokenize(tiny_server, smol_tokenizer):
     assert r.json()["prompt"] == "Hello world"
 
 
+def test_long_texts_are_tokenized_alike_in_the_worker(tiny_server, smol_tokenizer):
+    """Past 16K characters the server tokenizes in a worker process: the same ids."""
+    import httpx
+
+    from llmserve.server.tokenizing import INLINE_CHARS
+
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    text = "The quick brown fox jumps over the lazy dog. " * (INLINE_CHARS // 40)
+    assert len(text) > INLINE_CHARS
+    r = httpx.post(f"{tiny_server.url}/tokenize", json={"prompt": text}, headers=headers,
+                   timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["tokens"] == smol_tokenizer.encode(text)
+    messages = [{"role": "user", "content": text}]
+    r = httpx.post(f"{tiny_server.url}/tokenize", json={"messages": messages},
+                   headers=headers, timeout=60)
+    assert r.json()["tokens"] == smol_tokenizer.encode_chat(messages)
+
+
 def test_n_logprobs_stop_and_extras(tiny_server):
     client = _client(tiny_server)
     out = client.completions.create(model=tiny_server.model, prompt="abc", max_tokens=8, n=3,

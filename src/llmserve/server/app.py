@@ -3,7 +3,7 @@
 Every answer that is not a success is in OpenAI's error envelope, 404, 405, 413 and
 malformed JSON included. The API key is checked before a body is read. Work that may take
 longer than a millisecond or two (tokenizing a long prompt, rendering a long chat) runs in
-a worker thread, so that /health and every stream keep their pace.
+a worker process (server/tokenizing.py), so that /health and every stream keep their pace.
 """
 
 from __future__ import annotations
@@ -40,10 +40,9 @@ from llmserve.server.serving import (
     stream,
     validate_prompts,
 )
+from llmserve.server.tokenizing import TokenizerPool
 from llmserve.tokenizer.chat_template import ChatTemplateError
 
-# Prompts longer than this many characters are tokenized in a worker thread.
-_THREAD_TOKENIZE_CHARS = 16_384
 # Paths open without the API key (probes and scrapers).
 _OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
 
@@ -64,6 +63,8 @@ def build_app(engine: AsyncLLM, config: ServerConfig, metrics: ServerMetrics,
                                                   "request"},
                              503: {"description": "Not ready, restarting or shutting down; "
                                                   "see Retry-After"}})
+    tokenizers = TokenizerPool(engine.tokenizer)
+    app.state.tokenizers = tokenizers  # the launcher starts and stops its worker
     # Starlette runs the middleware added last first: guard, then key, then body.
     app.add_middleware(BodySizeLimit, max_bytes=config.max_body_bytes,
                        timeout=config.body_timeout)
@@ -161,10 +162,10 @@ def build_app(engine: AsyncLLM, config: ServerConfig, metrics: ServerMetrics,
     async def tokenize(req: TokenizeRequest) -> dict:
         check_model(req.model)
         if req.messages is not None:
-            ids = await _encode_chat(engine, message_dicts(req.messages),
+            ids = await _encode_chat(engine, tokenizers, message_dicts(req.messages),
                                      req.add_generation_prompt)
         elif req.prompt is not None:
-            ids = await _encode(engine, req.prompt, req.add_special_tokens)
+            ids = await _encode(engine, tokenizers, req.prompt, req.add_special_tokens)
         else:
             raise bad_request("send 'prompt' or 'messages'", param="prompt")
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
@@ -191,7 +192,7 @@ def build_app(engine: AsyncLLM, config: ServerConfig, metrics: ServerMetrics,
             raise bad_request("best_of must equal n (best-of sampling is not supported)",
                               param="best_of")
         params = make_params(req.sampling_params)
-        prompts = await _completion_prompts(engine, req.prompt)
+        prompts = await _completion_prompts(engine, tokenizers, req.prompt)
         job = Job(engine.new_request_id("cmpl"), "completion", model_name, prompts, params,
                   req.priority, bool(req.stream_options and req.stream_options.include_usage))
         return await _run(job, req.stream, raw)
@@ -208,7 +209,8 @@ def build_app(engine: AsyncLLM, config: ServerConfig, metrics: ServerMetrics,
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs requires logprobs: true", param="top_logprobs")
         params = make_params(req.sampling_params)
-        ids = await _encode_chat(engine, message_dicts(req.messages), req.add_generation_prompt)
+        ids = await _encode_chat(engine, tokenizers, message_dicts(req.messages),
+                                 req.add_generation_prompt)
         job = Job(engine.new_request_id("chatcmpl"), "chat", model_name, [(None, ids)], params,
                   req.priority, bool(req.stream_options and req.stream_options.include_usage))
         return await _run(job, req.stream, raw)
@@ -250,7 +252,7 @@ def _json_error_message(body: bytes) -> str:
     return "invalid JSON"
 
 
-# ---- tokenization off the event loop ---------------------------------------------------------
+# ---- tokenization ----------------------------------------------------------------------------
 
 
 def _check_length(engine: AsyncLLM, chars: int, param: str) -> None:
@@ -265,37 +267,31 @@ def _check_length(engine: AsyncLLM, chars: int, param: str) -> None:
             param=param, code="context_length_exceeded")
 
 
-async def _encode(engine: AsyncLLM, text: str, add_special_tokens: bool = True,
-                  param: str = "prompt") -> list[int]:
+async def _encode(engine: AsyncLLM, tokenizers: TokenizerPool, text: str,
+                  add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
     _check_length(engine, len(text), param)
-    if len(text) < _THREAD_TOKENIZE_CHARS:
-        return engine.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-    return await asyncio.to_thread(engine.tokenizer.encode, text,
-                                   add_special_tokens=add_special_tokens)
+    return await tokenizers.encode(text, add_special_tokens)
 
 
-async def _encode_chat(engine: AsyncLLM, messages: list[dict[str, Any]],
-                       add_generation_prompt: bool) -> list[int]:
-    chars = sum(len(m["content"]) for m in messages)
-    _check_length(engine, chars, "messages")
+async def _encode_chat(engine: AsyncLLM, tokenizers: TokenizerPool,
+                       messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
+    _check_length(engine, sum(len(m["content"]) for m in messages), "messages")
     try:
-        if chars < _THREAD_TOKENIZE_CHARS:
-            return engine.tokenizer.encode_chat(messages, add_generation_prompt)
-        return await asyncio.to_thread(engine.tokenizer.encode_chat, messages,
-                                       add_generation_prompt)
+        return await tokenizers.encode_chat(messages, add_generation_prompt)
     except (ChatTemplateError, ValueError) as e:
         raise bad_request(str(e), param="messages") from None
 
 
-async def _completion_prompts(engine: AsyncLLM, prompt) -> list[tuple[str | None, list[int]]]:
+async def _completion_prompts(engine: AsyncLLM, tokenizers: TokenizerPool,
+                              prompt) -> list[tuple[str | None, list[int]]]:
     if isinstance(prompt, str):
-        return [(prompt, await _encode(engine, prompt))]
+        return [(prompt, await _encode(engine, tokenizers, prompt))]
     if not prompt:
         raise bad_request("prompt must not be empty", param="prompt")
     if all(isinstance(p, int) for p in prompt):
         return [(None, list(prompt))]
     if all(isinstance(p, str) for p in prompt):
-        return [(p, await _encode(engine, p)) for p in prompt]
+        return [(p, await _encode(engine, tokenizers, p)) for p in prompt]
     if all(isinstance(p, list) for p in prompt):
         return [(None, list(p)) for p in prompt]
     raise bad_request("prompt must be a string, a list of strings, a list of token ids or a "

@@ -134,9 +134,11 @@ async def _serve(engine_config: EngineConfig, config: ServerConfig) -> int:
                                http=protocol, h11_max_incomplete_event_size=MAX_HEADER_BYTES)
     server = DrainingServer(uv_config, engine, state, config.shutdown_timeout)
     engine.on_fatal = server.give_up
+    app.state.tokenizers.start()
     logger.info("serving %s on http://%s:%d", model_name, config.host, config.port)
     try:
         await server.serve()
     finally:
+        app.state.tokenizers.shutdown()
         await engine.shutdown()
     return server.exit_code
