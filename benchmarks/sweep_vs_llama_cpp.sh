@@ -9,6 +9,11 @@
 # LLMSERVE_ARGS (extra `llmserve serve` options, e.g. "--quantization w8a8
 # --kv-cache-dtype int8"), LLAMA_SERVER (a llama-server binary to use instead of building one).
 #
+# Both servers are started the same way: a fresh process per level, so neither answers any
+# level from a prefix cache warmed by another; each level's prompts come from a seed of its
+# own (the level), the same seed for both servers. (Before session 18 llmserve stayed up for
+# every level with the same seed, and answered part of each level from its prefix cache.)
+#
 # Writes OUT_DIR/{llmserve,llama-server}/sweep.json, OUT_DIR/compare.md, OUT_DIR/compare.png.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -35,16 +40,20 @@ wait_ready() {  # url
 point() {  # label c
   $bin/llmserve bench sweep --base-url "http://127.0.0.1:$port" --model smollm2 \
     --concurrency "$2" --num-prompts "$(prompts_for "$2")" --input-len "$input_len" \
-    --output-len "$output_len" --warmup 2 --label "$1" --output-dir "$out/$1/c$2" --no-progress
+    --output-len "$output_len" --warmup 2 --seed "$2" --label "$1" \
+    --output-dir "$out/$1/c$2" --no-progress
 }
 
-# llmserve: one server for every level
-# shellcheck disable=SC2086  # LLMSERVE_ARGS is a list of options
-$bin/llmserve serve --port $port --served-model-name smollm2 ${LLMSERVE_ARGS:-} > "$out/llmserve.log" 2>&1 &
-pid=$!
-wait_ready "http://127.0.0.1:$port/ready"
-for c in $levels; do point llmserve "$c"; done
-kill -TERM $pid; wait $pid || true
+# llmserve: restarted per level, as llama-server is
+for c in $levels; do
+  # shellcheck disable=SC2086  # LLMSERVE_ARGS is a list of options
+  $bin/llmserve serve --port $port --served-model-name smollm2 ${LLMSERVE_ARGS:-} \
+    > "$out/llmserve-c$c.log" 2>&1 &
+  pid=$!
+  wait_ready "http://127.0.0.1:$port/ready"
+  point llmserve "$c"
+  kill -TERM $pid; wait $pid || true
+done
 
 # llama-server: restarted per level with as many slots as the concurrency
 for c in $levels; do

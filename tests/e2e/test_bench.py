@@ -87,3 +87,39 @@ def test_sweep_and_compare_write_json_and_plots(tiny_server, tmp_path):
     table = md.read_text()
     assert "| load | metric | a | b |" in table and "| c=2 | TTFT p99 ms |" in table
     assert png.stat().st_size > 1000
+
+
+def test_sweep_levels_share_no_prompt_and_start_from_a_reset_cache(tiny_server, tmp_path):
+    from llmserve.bench.workloads import WorkloadSpec, build_workload
+
+    out = tmp_path / "levels"
+    proc = _bench("sweep", "--base-url", tiny_server.url, "--api-key", API_KEY,
+                  "--concurrency", "1,2,4", "--num-prompts", "4", "--input-len", "40",
+                  "--output-len", "3", "--output-dir", str(out), "--no-progress",
+                  "--warmup", "1", "--seed", "5", "--reset-prefix-cache")
+    assert proc.returncode == 0, proc.stderr
+    points = json.loads((out / "sweep.json").read_text())["points"]
+    seeds = [p["seed"] for p in points]
+    assert len(set(seeds)) == 3 and seeds[0] == 5
+    prompts = [{r.prompt for r in build_workload(WorkloadSpec("random", 4, 40, 3, seed=s))}
+               for s in seeds]
+    assert not (prompts[0] & prompts[1] or prompts[0] & prompts[2] or prompts[1] & prompts[2])
+    for p in points:
+        assert p["prefix_cache"]["reset"] == "reset"
+        assert p["prefix_cache"]["hits_during"] == 0  # nothing answered from the cache
+    assert "warning" not in proc.stderr
+
+
+def test_a_warm_cache_is_warned_about(tiny_server, tmp_path):
+    import httpx
+
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    body = {"model": tiny_server.model, "prompt": list(range(100, 164)), "max_tokens": 1}
+    for _ in range(2):  # the second is a prefix-cache hit
+        assert httpx.post(f"{tiny_server.v1}/completions", json=body, headers=auth,
+                          timeout=30).status_code == 200
+    proc = _bench("serve", "--base-url", tiny_server.url, "--api-key", API_KEY,
+                  "--num-prompts", "2", "--concurrency", "1", "--input-len", "10",
+                  "--output-len", "2", "--output", str(tmp_path / "w.json"), "--no-progress")
+    assert proc.returncode == 0, proc.stderr
+    assert "prefix-cache hits before this run" in proc.stderr

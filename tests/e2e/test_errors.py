@@ -330,3 +330,45 @@ def test_header_count_and_host_are_checked(guard_server):
     for host in (f"localhost:{port}", f"127.0.0.1:{port}", f"[::1]:{port}"):
         assert httpx.get(f"{guard_server.url}/health", headers={"Host": host}).status_code \
             == 200
+
+
+def test_reset_prefix_cache(tiny_server):
+    def hits() -> float:
+        return tiny_server.metrics().get("llmserve:prefix_cache_hits_total", 0.0)
+
+    body = {"model": tiny_server.model, "prompt": list(range(200, 264)), "max_tokens": 1}
+
+    def send() -> None:
+        r = httpx.post(f"{tiny_server.v1}/completions", json=body, headers=AUTH, timeout=30)
+        assert r.status_code == 200, r.text
+
+    send()
+    before = hits()
+    send()
+    assert hits() > before  # the 64-token prompt's blocks were cached: a hit
+    _envelope(httpx.post(f"{tiny_server.url}/reset_prefix_cache"), 401)
+    r = httpx.post(f"{tiny_server.url}/reset_prefix_cache", headers=AUTH, timeout=30)
+    assert r.status_code == 200, r.text
+    assert r.json()["status"] == "ok" and "forgot" in r.json()["message"]
+    after_reset = hits()
+    send()
+    assert hits() == after_reset  # nothing left to hit
+
+
+def test_reset_prefix_cache_is_refused_while_requests_run(tight_server):
+    import threading
+
+    def long_request() -> None:
+        httpx.post(f"{tight_server.v1}/completions", timeout=60, json={
+            "model": tight_server.model, "prompt": "hi", "max_tokens": 1000, "ignore_eos": True})
+
+    t = threading.Thread(target=long_request)
+    t.start()
+    deadline = time.monotonic() + 10
+    while tight_server.metrics().get("llmserve:num_requests_running", 0) < 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    r = httpx.post(f"{tight_server.url}/reset_prefix_cache", timeout=30)
+    err = _envelope(r, 409, code="requests_running")
+    assert "running" in err["message"] and r.headers["Retry-After"]
+    t.join(30)

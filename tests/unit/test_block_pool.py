@@ -125,3 +125,18 @@ def test_prefix_hit_reclaims_free_cached_blocks():
     kv.check_integrity()
     kv.free(b)
     kv.check_integrity()
+
+
+def test_reset_prefix_cache_forgets_every_prefix_only_when_idle():
+    kv = KVCacheManager(num_blocks=4, block_size=4)
+    a = FakeReq("a", list(range(8)))
+    kv.allocate_slots(a, 8)
+    a.num_computed_tokens = 8
+    with pytest.raises(RuntimeError, match="1 requests hold KV blocks"):
+        kv.reset_prefix_cache()
+    kv.free(a)
+    assert kv.get_computed_blocks(FakeReq("b", list(range(12))))[1] == 8  # cached
+    assert kv.reset_prefix_cache() == 2
+    assert kv.get_computed_blocks(FakeReq("c", list(range(12))))[1] == 0
+    assert kv.num_free_blocks == 4
+    kv.check_integrity()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -69,6 +70,9 @@ def _target_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
     p.add_argument("--slo", default=None, help="e.g. ttft=500ms,tpot=50ms (goodput)")
+    p.add_argument("--reset-prefix-cache", action="store_true",
+                   help="POST /reset_prefix_cache before the run (before each level of a "
+                        "sweep), so that no earlier prompt is answered from the cache")
     p.add_argument("--no-progress", action="store_true")
 
 
@@ -130,14 +134,27 @@ def _workload(args: argparse.Namespace):
 def _run_point(args: argparse.Namespace, target, spec, requests, arrivals) -> dict[str, Any]:
     from dataclasses import replace
 
+    from llmserve.bench.client import prefix_cache_hits, reset_prefix_cache
     from llmserve.bench.metrics import parse_slo
     from llmserve.bench.runner import run_benchmark
     from llmserve.bench.workloads import build_workload
 
+    reset = reset_prefix_cache(target) if args.reset_prefix_cache else None
+    hits_before = prefix_cache_hits(target)
+    if reset != "reset" and hits_before:
+        print(f"warning: the server reported {hits_before:.0f} prefix-cache hits before this "
+              "run: it has served other prompts, and its cache may answer part of this one "
+              "(use --reset-prefix-cache, or a fresh server)", file=sys.stderr)
     warm = (build_workload(replace(spec, num_requests=arrivals.warmup, seed=spec.seed + 1))
             if arrivals.warmup else [])
     result = run_benchmark(target, requests, arrivals, parse_slo(args.slo),
                            progress=not args.no_progress, warmup=warm)
+    hits_after = prefix_cache_hits(target)
+    result["prefix_cache"] = {
+        "reset": reset, "hits_before": hits_before,
+        "hits_during": None if hits_after is None or hits_before is None
+        else hits_after - hits_before}
+    result["seed"] = spec.seed
     result["workload"] = spec.describe()
     result["arrivals_label"] = arrivals.label()
     result["timestamp"] = time.strftime("%Y-%m-%dT%H:%M:%S")
@@ -166,28 +183,39 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
 
     if (args.concurrency is None) == (args.request_rate is None):
         raise ValueError("give exactly one of --concurrency or --request-rate (comma lists)")
+    from dataclasses import replace
+
+    from llmserve.bench.workloads import build_workload, level_seed
+
     target = _target(args)
-    spec, requests = _workload(args)
+    spec, _ = _workload(args)
     out_dir = Path(args.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     label = args.label or target.base_url
     points = []
     values = (args.concurrency or args.request_rate).split(",")
-    for v in values:
+    for i, v in enumerate(values):
+        # Each level its own prompts: a level that repeated another's would be answered
+        # in part from the prefix cache.
+        level = replace(spec, seed=level_seed(args.seed, i))
+        requests = build_workload(level)
         if args.concurrency:
             arrivals = Arrivals(concurrency=int(v), duration=args.duration, warmup=args.warmup,
-                                seed=args.seed)
+                                seed=level.seed)
         else:
             arrivals = Arrivals(request_rate=float(v), burstiness=args.burstiness,
-                                duration=args.duration, warmup=args.warmup, seed=args.seed)
-        result = _run_point(args, target, spec, requests, arrivals)
+                                duration=args.duration, warmup=args.warmup, seed=level.seed)
+        result = _run_point(args, target, level, requests, arrivals)
         result["label"] = label
         print(summary_table(result), flush=True)
         name = f"{'c' if args.concurrency else 'r'}{v}.json"
         (out_dir / name).write_text(json.dumps(result, indent=1))
         points.append(result)
-    sweep = {"label": label, "workload": spec.describe(), "points": [
-        {k: p[k] for k in ("arrivals", "summary", "arrivals_label")} for p in points]}
+    sweep = {"label": label, "workload": spec.describe(),
+             "seeds": "one per level: seed + 7919 x level index (no level repeats another's "
+                      "prompts)",
+             "points": [{k: p[k] for k in ("arrivals", "summary", "arrivals_label", "seed",
+                                           "prefix_cache")} for p in points]}
     (out_dir / "sweep.json").write_text(json.dumps(sweep, indent=1))
     plot_sweeps([sweep], out_dir / "sweep.png", f"{label}: {spec.describe()}")
     print(f"sweep: {out_dir / 'sweep.json'}, plot: {out_dir / 'sweep.png'}")

@@ -132,3 +132,48 @@ def _status_kind(status: int) -> str:
     if status >= 500:
         return "5xx"
     return "4xx"
+
+
+# ---- the server's prefix cache -------------------------------------------------------------
+
+# Prefix-cache hit counters by server: llmserve's, vLLM's (V1, then V0's GPU name).
+_HIT_COUNTERS = ("llmserve:prefix_cache_hits_total", "vllm:prefix_cache_hits_total",
+                 "vllm:gpu_prefix_cache_hits_total")
+
+
+def _root(target: Target) -> str:
+    return target.base_url.removesuffix("/v1")
+
+
+def _headers(target: Target) -> dict[str, str]:
+    return {"Authorization": f"Bearer {target.api_key}"} if target.api_key else {}
+
+
+def prefix_cache_hits(target: Target) -> float | None:
+    """The server's cumulative prefix-cache hits from its /metrics (None: not reported)."""
+    try:
+        r = httpx.get(f"{_root(target)}/metrics", headers=_headers(target), timeout=10)
+    except httpx.HTTPError:
+        return None
+    if r.status_code != 200:
+        return None
+    values = [float(line.rsplit(" ", 1)[1]) for line in r.text.splitlines()
+              if line.startswith(_HIT_COUNTERS)]
+    return sum(values) if values else None
+
+
+def reset_prefix_cache(target: Target, wait: float = 60.0) -> str:
+    """POST /reset_prefix_cache, waiting while the server still runs requests (409).
+    Returns "reset", or "not offered" when the server has no such endpoint."""
+    deadline = time.monotonic() + wait
+    while True:
+        r = httpx.post(f"{_root(target)}/reset_prefix_cache", headers=_headers(target),
+                       timeout=30)
+        if r.status_code == 200:
+            return "reset"
+        if r.status_code in (404, 405):
+            return "not offered"
+        if r.status_code != 409 or time.monotonic() > deadline:
+            raise RuntimeError(f"POST /reset_prefix_cache answered {r.status_code}: "
+                               f"{r.text[:200]}")
+        time.sleep(0.5)

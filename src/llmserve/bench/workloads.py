@@ -70,6 +70,11 @@ def sharegpt_description() -> str:
             f"sigma {s['o_sigma']}) in [{s['o_min']}, {s['o_max']}]")
 
 
+def level_seed(seed: int, index: int) -> int:
+    """The seed of a sweep's index-th level: each level gets prompts of its own."""
+    return seed + 7919 * index
+
+
 def build_workload(spec: WorkloadSpec) -> list[BenchRequest]:
     if spec.name not in WORKLOADS:
         raise ValueError(f"unknown workload {spec.name!r}; choose from {', '.join(WORKLOADS)}")

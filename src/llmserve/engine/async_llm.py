@@ -32,7 +32,9 @@ from llmserve.engine.messages import (
     AddRequest,
     EngineFailed,
     EngineReady,
+    ResetPrefixCache,
     StepOutputs,
+    UtilityResult,
 )
 from llmserve.engine.output_processor import OutputProcessor, RequestState, SequenceDelta
 from llmserve.engine.validation import check_request
@@ -51,6 +53,10 @@ class QueueFullError(Exception):
     def __init__(self, message: str, retry_after: int) -> None:
         super().__init__(message)
         self.retry_after = retry_after
+
+
+class EngineBusyError(Exception):
+    """The engine has requests in flight and cannot do what was asked until it is idle."""
 
 
 class EngineUnavailableError(Exception):
@@ -178,6 +184,8 @@ class AsyncLLM:
         self._engine_waiting = self._engine_waiting_tokens = 0
         self._last_message = time.monotonic()
         self._busy_since = time.monotonic()
+        self._calls: dict[int, asyncio.Future] = {}  # utility calls awaiting their result
+        self._call_ids = itertools.count()
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -315,6 +323,26 @@ class AsyncLLM:
             self.stats.on_finished("abort", time.monotonic() - tracked.arrival,
                                    tracked.num_tokens_prompt, tracked.generated)
 
+    async def reset_prefix_cache(self, timeout: float = 30.0) -> str:
+        """Forget every cached prefix. Refused (EngineBusyError) while requests run: their
+        blocks would stay cached, and a benchmark wants a cold cache, not a cooler one."""
+        self.validate_available()
+        if self._tracked:
+            raise EngineBusyError(f"{len(self._tracked)} requests are running; reset the "
+                                  "prefix cache when the server is idle")
+        assert self._proc is not None
+        call_id = next(self._call_ids)
+        future = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = future
+        self._proc.send(ResetPrefixCache(call_id))
+        try:
+            ok, message = await asyncio.wait_for(future, timeout)
+        finally:
+            self._calls.pop(call_id, None)
+        if not ok:
+            raise EngineBusyError(message)
+        return message
+
     def abort_all(self, error: str, message: str) -> None:
         """End every request with an error event (used on shutdown)."""
         for rid in list(self._tracked):
@@ -363,6 +391,10 @@ class AsyncLLM:
                     for rid in {o.request_id for o in message.outputs}:
                         self._fail(rid, "engine_error", f"internal error while processing "
                                                         f"this request's output: {e!r}")
+            elif isinstance(message, UtilityResult):
+                future = self._calls.get(message.call_id)
+                if future is not None and not future.done():
+                    future.set_result((message.ok, message.message))
             elif isinstance(message, EngineFailed):
                 logger.error("engine process %d failed: %s", proc.pid, message.message)
 
@@ -467,6 +499,9 @@ class AsyncLLM:
         n = len(self._tracked)
         logger.error("engine process %d died (%s); failing %d requests in flight and "
                      "starting a new engine", proc.pid, cause, n)
+        for future in self._calls.values():
+            if not future.done():
+                future.set_exception(EngineUnavailableError(f"the engine failed ({cause})"))
         self.abort_all("engine_error", f"the engine failed while running this request "
                                        f"({cause}); it was not completed")
         proc.close()

@@ -131,6 +131,13 @@ class EngineCore:
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix (benchmarks start each level from a cold cache);
+        returns the blocks forgotten. Raises RuntimeError while requests run."""
+        if self.has_unfinished():
+            raise RuntimeError(f"{len(self.scheduler.requests)} requests are running")
+        return self.kv_manager.reset_prefix_cache()
+
     def waiting_tokens(self) -> int:
         """Prompt tokens of the requests waiting to be scheduled."""
         return sum(r.num_prompt_tokens for r in self.scheduler.waiting)

@@ -45,8 +45,10 @@ from llmserve.engine.messages import (
     EngineOutput,
     EngineReady,
     RequestFailed,
+    ResetPrefixCache,
     Shutdown,
     StepOutputs,
+    UtilityResult,
 )
 from llmserve.errors import LLMServeError
 from llmserve.logger import get_logger
@@ -136,6 +138,14 @@ class EngineLoop:
             self.failed = []
 
     def apply(self, message: EngineInput) -> None:
+        if isinstance(message, ResetPrefixCache):
+            try:
+                result = UtilityResult(message.call_id, True, f"forgot "
+                                       f"{self.core.reset_prefix_cache()} cached blocks")
+            except RuntimeError as e:
+                result = UtilityResult(message.call_id, False, str(e))
+            self.out.send(self.codec.encode(result))
+            return
         if isinstance(message, AbortRequest):
             self.core.abort(message.request_id, message.index, stopped=message.stopped)
             return

@@ -4,10 +4,11 @@ Plain typed data and nothing else: no queues, no event loops, no shared objects.
 can build any of them by hand. They travel as msgpack (msgspec: typed decoding, ~1 µs per
 small message) over ZeroMQ sockets; see engine/core_proc.py for the transport.
 
-API server -> engine: ``AddRequest``, ``AbortRequest``, ``Shutdown``.
+API server -> engine: ``AddRequest``, ``AbortRequest``, ``Shutdown``, ``ResetPrefixCache``.
 Engine -> API server: ``EngineReady`` once, then one ``StepOutputs`` per step (also for
 steps that only computed prefill, so that a silent engine means a stuck one), and
-``EngineFailed`` as its last word when it dies of an exception.
+``UtilityResult`` for each utility call, and ``EngineFailed`` as its last word when it dies
+of an exception.
 """
 
 from __future__ import annotations
@@ -41,7 +42,14 @@ class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
     pass
 
 
-EngineInput = AddRequest | AbortRequest | Shutdown
+class ResetPrefixCache(msgspec.Struct, tag="reset_prefix_cache", array_like=True):
+    """Forget every cached prefix (only while no request runs); answered by a
+    UtilityResult with the same call_id."""
+
+    call_id: int
+
+
+EngineInput = AddRequest | AbortRequest | Shutdown | ResetPrefixCache
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -94,12 +102,18 @@ class EngineReady(msgspec.Struct, tag="ready", array_like=True):
     description: str  # the loaded model, one line
 
 
+class UtilityResult(msgspec.Struct, tag="utility", array_like=True):
+    call_id: int
+    ok: bool
+    message: str
+
+
 class EngineFailed(msgspec.Struct, tag="failed", array_like=True):
     message: str
     user_error: bool = False  # a bad model path or option, not a bug: no traceback needed
 
 
-EngineOutput = StepOutputs | EngineReady | EngineFailed
+EngineOutput = StepOutputs | EngineReady | EngineFailed | UtilityResult
 
 
 def _enc_hook(obj: Any) -> Any:

@@ -124,6 +124,15 @@ class KVCacheManager:
     def num_requests(self) -> int:
         return len(self._req_blocks)
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix; returns how many blocks were forgotten. Only while no
+        request holds blocks (a running request's blocks stay shareable otherwise)."""
+        if self._req_blocks:
+            raise RuntimeError(f"{len(self._req_blocks)} requests hold KV blocks")
+        count = self.pool.num_cached_blocks
+        self.pool.reset_prefix_cache()
+        return count
+
     def check_integrity(self) -> None:
         """Pool invariants, plus: each block's ref count equals the requests that hold it."""
         self.pool.check_integrity()

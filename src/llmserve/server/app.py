@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from llmserve.config import ServerConfig
-from llmserve.engine.async_llm import AsyncLLM, EngineUnavailableError
+from llmserve.engine.async_llm import AsyncLLM, EngineBusyError, EngineUnavailableError
 from llmserve.server.errors import APIError, bad_request, error_body
 from llmserve.server.http_guard import HTTPGuard
 from llmserve.server.metrics import ServerMetrics
@@ -157,6 +157,19 @@ def build_app(engine: AsyncLLM, config: ServerConfig, metrics: ServerMetrics,
         return {"object": "list", "data": [{
             "id": model_name, "object": "model", "created": 0, "owned_by": "llmserve",
             "max_model_len": engine.max_model_len}]}
+
+    @app.post("/reset_prefix_cache", responses={409: {"description": "Requests are running"}})
+    async def reset_prefix_cache() -> dict:
+        """Forget every cached prompt prefix, so that a benchmark level starts cold (vLLM
+        has the same endpoint). Refused with 409 while requests run."""
+        try:
+            message = await engine.reset_prefix_cache()
+        except EngineBusyError as e:
+            raise APIError(409, str(e), code="requests_running",
+                           headers={"Retry-After": "1"}) from None
+        except EngineUnavailableError as e:
+            raise _unavailable(e) from None
+        return {"status": "ok", "message": message}
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> dict:
