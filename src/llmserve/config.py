@@ -80,12 +80,80 @@ class SchedulerConfig:
             raise ValueError(f"policy must be one of {SCHEDULING_POLICIES}, got {self.policy!r}")
 
 
+SPECULATIVE_METHODS = ("ngram", "draft")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, named like vLLM's ``--speculative-config`` JSON.
+
+    method: ``ngram`` (prompt lookup over the request's own tokens) or ``draft`` (a smaller
+        model with the same vocabulary proposes greedily).
+    num_speculative_tokens: most draft tokens a request verifies per step (the planner may
+        use fewer, or none when the batch is busy).
+    prompt_lookup_min / prompt_lookup_max: n-gram lengths matched against the history.
+    model: the draft model (``draft``): a path or a name, like --model.
+    draft_num_layers: run only the first layers of the draft model (``draft``; a
+        layer-truncated copy of the target makes a draft where no smaller sibling exists).
+    quantization: the draft model's weight format (default: what its file holds).
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    model: str | None = None
+    draft_num_layers: int | None = None
+    quantization: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative method must be one of {SPECULATIVE_METHODS}, "
+                             f"got {self.method!r}")
+        if not isinstance(self.num_speculative_tokens, int) \
+                or not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError("num_speculative_tokens must be an integer in [1, 16], "
+                             f"got {self.num_speculative_tokens!r}")
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi <= 32):
+            raise ValueError("prompt_lookup_min and prompt_lookup_max must be integers with "
+                             f"1 <= min <= max <= 32, got {lo!r} and {hi!r}")
+        if self.method == "draft" and not self.model:
+            raise ValueError('speculative method "draft" needs "model": the draft model')
+        if self.method != "draft" and (self.model or self.draft_num_layers):
+            raise ValueError('"model" and "draft_num_layers" apply to method "draft" only')
+        if self.draft_num_layers is not None and (
+                not isinstance(self.draft_num_layers, int) or self.draft_num_layers < 1):
+            raise ValueError(f"draft_num_layers must be a positive integer, "
+                             f"got {self.draft_num_layers!r}")
+
+    @classmethod
+    def from_json(cls, text: str | dict) -> SpeculativeConfig:
+        """From vLLM-style JSON: ``{"method": "ngram", "num_speculative_tokens": 4}``."""
+        import json
+        from dataclasses import fields
+
+        try:
+            data = json.loads(text) if isinstance(text, str) else dict(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"speculative config is not valid JSON: {e}") from None
+        if not isinstance(data, dict):
+            raise ValueError("speculative config must be a JSON object")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown speculative config keys {unknown}; "
+                             f"allowed: {sorted(known)}")
+        return cls(**data)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     seed: int = 0
+    speculative: SpeculativeConfig | None = None
 
 
 @dataclass(frozen=True)

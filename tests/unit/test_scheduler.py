@@ -22,7 +22,7 @@ class FakeRunner:
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         self.steps.append(sched)
-        return ModelRunnerOutput({s.request_id: 1000 + s.start_pos + s.num_tokens
+        return ModelRunnerOutput({s.request_id: [1000 + s.start_pos + s.num_tokens]
                                   for s in sched.scheduled if s.sample})
 
 

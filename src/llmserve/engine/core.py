@@ -59,6 +59,36 @@ class EngineCore:
                                   kv_cache_dtype=kv_dtype,
                                   seed=config.seed, eos_token_ids=self.eos_token_ids)
         self.kv_cache_seconds = time.perf_counter() - start  # allocating the KV tensors
+        self.speculator = None
+        if config.speculative is not None:
+            self.speculator = self._build_speculator(config)
+
+    def _build_speculator(self, config: EngineConfig):
+        from llmserve.spec_decode import Speculator, StepCost, build_proposer
+
+        spec = config.speculative
+        proposer = build_proposer(spec, target=self.loaded, engine_config=config,
+                                  num_blocks=self.kv_manager.num_blocks)
+        cost = StepCost(self._measure_step_costs(spec.num_speculative_tokens))
+        logger.info("speculative decoding: %s, up to %d draft tokens per request and step; "
+                    "measured %s", spec.method, spec.num_speculative_tokens, cost)
+        return Speculator(spec, proposer, cost, config.scheduler.max_num_batched_tokens)
+
+    def _measure_step_costs(self, k: int) -> list[tuple[int, float]]:
+        """Seconds of a step by its size, from 1 token to a full batch of verifications."""
+        kv = self.kv_manager
+        top = min(self.config.scheduler.max_num_batched_tokens,
+                  self.config.scheduler.max_num_seqs * (k + 1), self.max_model_len,
+                  kv.num_free_blocks * kv.block_size)
+        sizes = sorted({1, 2, 3, 4, 6, 8, 12, 16} | {2 ** i for i in range(5, 12)})
+        sizes = [n for n in sizes if n <= top] + [top]
+        blocks = kv.pool.get_new_blocks(-(-max(sizes) // kv.block_size))
+        try:
+            block_ids = [b.block_id for b in blocks]
+            self.runner.time_verify_step(1, block_ids, repeats=2)  # first-call costs
+            return [(n, self.runner.time_verify_step(n, block_ids)) for n in sorted(set(sizes))]
+        finally:
+            kv.pool.free_blocks(blocks)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams, priority: int = 0) -> list[Request]:
@@ -103,18 +133,23 @@ class EngineCore:
         return bool(ended)
 
     def step(self) -> list[EngineCoreOutput]:
+        if self.speculator is not None:
+            self.speculator.prepare(self.scheduler.running, self.scheduler.waiting)
         sched = self.scheduler.schedule()
         result = self.runner.execute(sched)
         changed = self.scheduler.update(sched, result)
+        if self.speculator is not None:
+            for rid in sched.finished_req_ids:
+                self.speculator.free(rid)
         outputs = []
         for r in changed:
             prompt_lp = None
             if r.prompt_logprobs is not None and not r.prompt_logprobs_sent:
                 prompt_lp, r.prompt_logprobs_sent = r.prompt_logprobs, True
             outputs.append(EngineCoreOutput(
-                r.parent_id, r.index, [r.output_token_ids[-1]], r.status.finish_reason,
-                r.stop_reason, r.num_prompt_tokens, r.num_cached_tokens,
-                None if r.sampling_params.logprobs is None else [r.last_logprobs],
+                r.parent_id, r.index, r.output_token_ids[-r.num_new_tokens:],
+                r.status.finish_reason, r.stop_reason, r.num_prompt_tokens, r.num_cached_tokens,
+                None if r.sampling_params.logprobs is None else list(r.new_logprobs),
                 prompt_lp, r.first_scheduled_time))
             if r.is_finished:
                 self._forget(r)

@@ -6,7 +6,13 @@ import itertools
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from llmserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from llmserve.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from llmserve.engine.core import EngineCore
 from llmserve.engine.output_processor import OutputProcessor, SequenceDelta
 from llmserve.models.loader import DEFAULT_MODEL
@@ -27,7 +33,11 @@ class LLM:
                  max_num_seqs: int = 64, scheduling: str = "continuous",
                  policy: str = "fcfs", enable_chunked_prefill: bool = True,
                  seed: int = 0, quantization: str = "auto", dtype: str = "float32",
-                 int4_group_size: int = 32, kv_cache_dtype: str = "auto") -> None:
+                 int4_group_size: int = 32, kv_cache_dtype: str = "auto",
+                 speculative_config: dict[str, Any] | SpeculativeConfig | None = None) -> None:
+        if speculative_config is not None and not isinstance(speculative_config,
+                                                             SpeculativeConfig):
+            speculative_config = SpeculativeConfig.from_json(speculative_config)
         config = EngineConfig(
             model=ModelConfig(model=model, device=device, max_model_len=max_model_len,
                               quantization=quantization, dtype=dtype,
@@ -41,6 +51,7 @@ class LLM:
                                       policy=policy,
                                       enable_chunked_prefill=enable_chunked_prefill),
             seed=seed,
+            speculative=speculative_config,
         )
         self._init(config)
 

@@ -85,15 +85,25 @@ class RequestState:
             self.prompt_logprobs = [None if e is None else self._logprob_dict(e)
                                     for e in out.prompt_logprobs]
             self.prompt_logprobs[0] = None
-        seq.token_ids.extend(out.new_token_ids)
-        new_lps = None
-        if seq.logprobs is not None and out.new_logprobs:
-            new_lps = [self._logprob_dict(e) for e in out.new_logprobs if e is not None]
+        # Token by token: a stop string completed by one of several tokens of a step
+        # (speculative decoding) ends the sequence at that token, as it would without.
+        new_ids: list[int] = []
+        new_lps: list | None = [] if seq.logprobs is not None and out.new_logprobs else None
+        stopped_by_string = False
+        for i, token in enumerate(out.new_token_ids):
+            new_ids.append(token)
+            if new_lps is not None and out.new_logprobs[i] is not None:
+                new_lps.append(self._logprob_dict(out.new_logprobs[i]))
+            seq.detok.add_tokens([token])
+            if out.finished and i == len(out.new_token_ids) - 1:
+                seq.detok.flush()
+            if self._check_stop_strings(seq):
+                stopped_by_string = True
+                break
+        seq.token_ids.extend(new_ids)
+        if new_lps is not None:
             seq.logprobs.extend(new_lps)
-        seq.detok.add_tokens(out.new_token_ids)
-        if out.finished:
-            seq.detok.flush()
-        stopped_by_string = self._check_stop_strings(seq)
+        ended_here = out.finished and len(new_ids) == len(out.new_token_ids)
         if stopped_by_string:
             seq.finish_reason = "stop"
         elif out.finished:
@@ -102,9 +112,9 @@ class RequestState:
         end = len(text) if seq.finish_reason else len(text) - self._held_back(text)
         delta_text = text[seq.sent:max(end, seq.sent)]
         seq.sent = max(end, seq.sent)
-        delta = SequenceDelta(self.request_id, seq.index, delta_text, list(out.new_token_ids),
+        delta = SequenceDelta(self.request_id, seq.index, delta_text, new_ids,
                               new_lps, seq.finish_reason, seq.stop_reason)
-        return delta, stopped_by_string and not out.finished
+        return delta, stopped_by_string and not ended_here
 
     def _check_stop_strings(self, seq: _Sequence) -> bool:
         stops = self.params.stop

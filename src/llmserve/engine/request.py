@@ -65,7 +65,15 @@ class Request:
         self.block_hashes: list[bytes] = []
         self.stop_reason: int | str | None = None
         self.first_scheduled_time: float | None = None
-        self.last_logprobs = None  # of the token appended last, when logprobs are asked
+        # Tokens appended by the last step (several with speculative decoding), and their
+        # logprobs when asked.
+        self.num_new_tokens = 0
+        self.new_logprobs: list = []
+        # Speculative decoding: the draft tokens proposed for the next step, and the
+        # request's record of drafts verified and accepted (the planner's acceptance rate).
+        self.draft_token_ids: list[int] = []
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
         self.prompt_logprobs: list | None = (
             [None] * len(prompt_token_ids) if sampling_params.prompt_logprobs is not None
             else None)
@@ -93,6 +101,11 @@ class Request:
         lead = self.lead
         return (lead is not None and not lead.is_finished
                 and lead.num_computed_tokens < lead.num_prompt_tokens)
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Per draft token, smoothed towards 1/2 while few drafts were verified."""
+        return (self.num_accepted_tokens + 1) / (self.num_draft_tokens + 2)
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -2,9 +2,22 @@
 
 One forward pass covers every scheduled token of every request (prefill chunks and decodes
 together); logits are computed only at the rows that sample.
+
+Speculative decoding is verified in the same pass: a request with k draft tokens samples at
+k + 1 rows (its last known token and each draft), each row with the tokens before it as its
+history, and emits the samples up to and including the first that differs from the draft
+it checks. Every sampled token draws its randomness from its own generator, seeded by the
+request's seed and the token's position in the sequence, so a row samples exactly what it
+would have sampled without speculation: the output is the same token for token (greedy or
+seeded), and accepting a proposal only when the target's own sample equals it is the
+rejection rule for a deterministic proposal (accepted with probability p(draft); on
+rejection the target's sample, which is then distributed as p without the draft,
+renormalised).
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 from torch import nn
@@ -40,26 +53,35 @@ class ModelRunner:
         ]
         self.sampler = Sampler()
         self.eos_token_ids = eos_token_ids
-        self._generators: dict[str, torch.Generator] = {}
+        self._seeds: dict[str, int] = {}  # per request: the base of its tokens' seeds
         self._seed_source = torch.Generator().manual_seed(seed)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         for rid in sched.finished_req_ids:
-            self._generators.pop(rid, None)
+            self._seeds.pop(rid, None)
         if sched.is_empty:
             return ModelRunnerOutput()
         hidden, ends = self._forward(sched)
         out = ModelRunnerOutput()
         sampling = [(i, s) for i, s in enumerate(sched.scheduled) if s.sample]
         if sampling:
-            logits = self.model.compute_logits(hidden[ends[[i for i, _ in sampling]]])
-            rows = [self._sampling_row(s) for _, s in sampling]
+            # k + 1 rows per request with k drafts: its last known token, then each draft.
+            row_ids = [int(ends[i]) - s.num_draft_tokens + j
+                       for i, s in sampling for j in range(s.num_draft_tokens + 1)]
+            logits = self.model.compute_logits(hidden[row_ids])
+            rows = [self._sampling_row(s, j) for _, s in sampling
+                    for j in range(s.num_draft_tokens + 1)]
             result = self.sampler(logits, rows)
-            for (_, s), token, lp in zip(sampling, result.token_ids, result.logprobs):
-                out.sampled_token_ids[s.request_id] = token
-                if lp is not None:
-                    out.logprobs[s.request_id] = lp
+            first = 0
+            for _, s in sampling:
+                k = s.num_draft_tokens
+                samples = result.token_ids[first:first + k + 1]
+                emitted = accepted_prefix(samples, s.draft_token_ids)
+                out.sampled_token_ids[s.request_id] = emitted
+                if s.sampling_params.logprobs is not None:
+                    out.logprobs[s.request_id] = result.logprobs[first:first + len(emitted)]
+                first += k + 1
         for i, s in enumerate(sched.scheduled):
             if s.sampling_params.prompt_logprobs is not None:
                 entry = self._prompt_logprobs(hidden, int(ends[i]), s)
@@ -75,6 +97,22 @@ class ModelRunner:
         rows = [i for i, s in enumerate(sched.scheduled) if s.sample]
         return self.model.compute_logits(hidden[ends[rows]])
 
+    def time_verify_step(self, num_tokens: int, block_ids: list[int], repeats: int = 3) -> float:
+        """Seconds of a step that verifies ``num_tokens - 1`` drafts of one request (every
+        row computes logits and samples greedily); best of ``repeats``. The blocks must be
+        held for the duration (they are written)."""
+        from llmserve.sampling_params import SamplingParams
+
+        item = ScheduledRequest("__timing__", [0] * num_tokens, 0, block_ids, True,
+                                SamplingParams(temperature=0, max_tokens=1),
+                                num_draft_tokens=num_tokens - 1)
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            self.execute(SchedulerOutput([item]))
+            best = min(best, time.perf_counter() - start)
+        return best
+
     def _forward(self, sched: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor]:
         """Hidden states [T, hidden] of every scheduled token; ends [B]: row of each request's
         last token."""
@@ -84,13 +122,18 @@ class ModelRunner:
         ends = torch.cumsum(torch.tensor(layout.query_lens), 0) - 1
         return hidden, ends.to(hidden.device)
 
-    def _sampling_row(self, s: ScheduledRequest) -> SamplingRow:
+    def _sampling_row(self, s: ScheduledRequest, j: int) -> SamplingRow:
+        """Row ``j`` of a request's k + 1: the drafts before it count as generated."""
         params = s.sampling_params
         stop_ids = frozenset(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= self.eos_token_ids
-        generator = None if params.greedy else self._generator(s.request_id, params.seed)
-        return SamplingRow(params, generator, s.prompt_token_ids, s.output_token_ids, stop_ids)
+        output = s.output_token_ids + s.draft_token_ids[:j] if j else s.output_token_ids
+        generator = None
+        if not params.greedy:
+            position = s.start_pos + s.num_tokens - s.num_draft_tokens + j  # of the sample
+            generator = self._generator(s.request_id, params.seed, position)
+        return SamplingRow(params, generator, s.prompt_token_ids, output, stop_ids)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, end: int,
                          s: ScheduledRequest) -> tuple[int, list[TokenLogprobs]] | None:
@@ -129,11 +172,29 @@ class ModelRunner:
                              seq_lens=seq_lens, block_size=self.block_size)
         return input_ids.to(dev), layout
 
-    def _generator(self, request_id: str, seed: int | None) -> torch.Generator:
-        gen = self._generators.get(request_id)
-        if gen is None:
+    def _generator(self, request_id: str, seed: int | None, position: int) -> torch.Generator:
+        """The generator of the token sampled at ``position``: the same whatever the batch,
+        the step it falls in, or the drafts verified around it."""
+        base = self._seeds.get(request_id)
+        if base is None:
             if seed is None:
                 seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_source))
-            gen = torch.Generator(device=self.device).manual_seed(seed)
-            self._generators[request_id] = gen
-        return gen
+            base = self._seeds[request_id] = seed
+        return torch.Generator(device=self.device).manual_seed(token_seed(base, position))
+
+
+def token_seed(base: int, position: int) -> int:
+    """splitmix64 of (seed, position): independent streams for neighbouring positions."""
+    x = (base * 0x9E3779B97F4A7C15 + position + 1) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (x ^ (x >> 31)) >> 1  # manual_seed takes a non-negative 63-bit value
+
+
+def accepted_prefix(samples: list[int], drafts: list[int]) -> list[int]:
+    """The target's samples up to and including the first that differs from its draft (all
+    k + 1 when every draft is accepted: the last one is the bonus token)."""
+    for j, draft in enumerate(drafts):
+        if samples[j] != draft:
+            return samples[:j + 1]
+    return samples[:len(drafts) + 1]

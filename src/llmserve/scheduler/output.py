@@ -9,7 +9,12 @@ from llmserve.sampling_params import SamplingParams
 
 @dataclass
 class ScheduledRequest:
-    """One request's share of a step: compute ``token_ids`` at positions from ``start_pos``."""
+    """One request's share of a step: compute ``token_ids`` at positions from ``start_pos``.
+
+    With speculative decoding the last ``num_draft_tokens`` of ``token_ids`` are proposals:
+    the runner samples at each of them and at the last known token (k + 1 rows) and keeps
+    the samples up to the first that differs from the proposal it verifies.
+    """
 
     request_id: str
     token_ids: list[int]
@@ -21,10 +26,15 @@ class ScheduledRequest:
     # prompt logprobs); empty otherwise.
     prompt_token_ids: list[int] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
+    num_draft_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def draft_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.token_ids) - self.num_draft_tokens:]
 
 
 @dataclass
@@ -46,10 +56,11 @@ TokenLogprobs = tuple[list[int], list[float], int]
 
 @dataclass
 class ModelRunnerOutput:
-    """Sampled token per request that sampled this step, with logprobs where asked."""
+    """The tokens each request that sampled this step emits (one, or with drafts the accepted
+    ones and the target's own next token), with their logprobs where asked."""
 
-    sampled_token_ids: dict[str, int] = field(default_factory=dict)
-    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     # request id -> (index of the first prompt token covered, logprobs of the following
     # prompt tokens) for requests with prompt_logprobs.
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
@@ -67,3 +78,9 @@ class SchedulerStats:
     num_preemptions: int  # cumulative
     num_scheduled_tokens: int  # in the last step
     num_scheduled_seqs: int  # in the last step
+    # Speculative decoding, cumulative: requests that verified drafts (one per request and
+    # step), draft tokens verified, accepted, and accepted at each draft position.
+    spec_num_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()

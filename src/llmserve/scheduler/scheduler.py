@@ -7,6 +7,12 @@ blocks run out, the most recently admitted running request (lowest priority firs
 the priority policy) is preempted by recompute: its blocks are freed and it goes back to
 the head of the waiting queue. The scheduler thinks only in "how many tokens does each
 request compute this step" and in block ids; it never touches a tensor.
+
+Speculative decoding: a decoding request may carry draft tokens (``draft_token_ids``, set
+by the proposer before the step). They are scheduled after its last known token when the
+budget and the KV blocks allow (drafts are dropped before anyone is preempted for them);
+after the step, ``num_computed_tokens`` rolls back over the rejected ones, whose KV slots
+are simply overwritten later.
 """
 
 from __future__ import annotations
@@ -46,6 +52,10 @@ class Scheduler:
         self.num_preemptions = 0
         self._last_tokens = 0
         self._last_seqs = 0
+        self.spec_num_drafts = 0
+        self.spec_draft_tokens = 0
+        self.spec_accepted_tokens = 0
+        self.spec_accepted_per_pos: list[int] = []
 
     # ---- requests in and out ------------------------------------------------------------
 
@@ -97,6 +107,13 @@ class Scheduler:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             if num_new <= 0:  # cannot happen while update() keeps pace; be safe
+                i += 1
+                continue
+            drafts = self._drafts_that_fit(req, num_new, budget)
+            if drafts:
+                scheduled = self._schedule(req, num_new, drafts)
+                out.scheduled.append(scheduled)
+                budget -= scheduled.num_tokens
                 i += 1
                 continue
             while self.kv.allocate_slots(req, num_new) is None:
@@ -156,11 +173,21 @@ class Scheduler:
                 req.prompt_logprobs[first:first + len(entries)] = entries
             if not item.sample:
                 continue  # a prefill chunk that samples nothing
-            req.append_output_token(result.sampled_token_ids[item.request_id])
-            req.last_logprobs = result.logprobs.get(item.request_id)
-            if req.check_stop():
-                self.running.remove(req)
-                self._release(req)
+            tokens = result.sampled_token_ids[item.request_id]
+            logprobs = result.logprobs.get(item.request_id)
+            if item.num_draft_tokens:
+                self._record_verification(req, item.num_draft_tokens, len(tokens) - 1)
+            req.num_new_tokens = 0
+            req.new_logprobs = []
+            for j, token in enumerate(tokens):
+                req.append_output_token(token)
+                req.num_new_tokens += 1
+                if logprobs is not None:
+                    req.new_logprobs.append(logprobs[j])
+                if req.check_stop():  # a stop inside an accepted run cuts it there
+                    self.running.remove(req)
+                    self._release(req)
+                    break
             changed.append(req)
         return changed
 
@@ -177,11 +204,41 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             num_scheduled_tokens=self._last_tokens,
             num_scheduled_seqs=self._last_seqs,
+            spec_num_drafts=self.spec_num_drafts,
+            spec_draft_tokens=self.spec_draft_tokens,
+            spec_accepted_tokens=self.spec_accepted_tokens,
+            spec_accepted_per_pos=tuple(self.spec_accepted_per_pos),
         )
 
     # ---- helpers ------------------------------------------------------------------------
 
-    def _schedule(self, req: Request, num_new: int) -> ScheduledRequest:
+    def _drafts_that_fit(self, req: Request, num_new: int, budget: int) -> list[int]:
+        """The request's draft tokens, if it is decoding and they fit in the budget and in
+        free KV blocks (allocated here); otherwise none (drafts never preempt anyone)."""
+        drafts = req.draft_token_ids
+        req.draft_token_ids = []
+        if not drafts or num_new != 1:
+            return []
+        drafts = drafts[:budget - 1]
+        while drafts and self.kv.allocate_slots(req, 1 + len(drafts)) is None:
+            drafts = drafts[:len(drafts) // 2]
+        return drafts
+
+    def _record_verification(self, req: Request, num_drafts: int, num_accepted: int) -> None:
+        """Roll back over the rejected drafts; count drafts and acceptances."""
+        req.num_computed_tokens -= num_drafts - num_accepted
+        req.num_draft_tokens += num_drafts
+        req.num_accepted_tokens += num_accepted
+        self.spec_num_drafts += 1
+        self.spec_draft_tokens += num_drafts
+        self.spec_accepted_tokens += num_accepted
+        per_pos = self.spec_accepted_per_pos
+        per_pos.extend([0] * (num_drafts - len(per_pos)))
+        for j in range(num_accepted):
+            per_pos[j] += 1
+
+    def _schedule(self, req: Request, num_new: int,
+                  drafts: list[int] | None = None) -> ScheduledRequest:
         start = req.num_computed_tokens
         req.num_computed_tokens += num_new
         # The step owns its data: copies of the request's lists, made only where the step
@@ -190,16 +247,20 @@ class Scheduler:
         needs_prompt = params.repetition_penalty != 1.0 or (
             params.prompt_logprobs is not None and start < req.num_prompt_tokens)
         needs_output = params.has_penalties or params.min_tokens > 0
-        return ScheduledRequest(
+        drafts = drafts or []
+        scheduled = ScheduledRequest(
             request_id=req.request_id,
-            token_ids=req.all_token_ids[start:start + num_new],
+            token_ids=req.all_token_ids[start:start + num_new] + drafts,
             start_pos=start,
             block_ids=self.kv.get_block_ids(req.request_id),
             sample=req.num_computed_tokens == req.num_tokens,
             sampling_params=req.sampling_params,
             prompt_token_ids=list(req.prompt_token_ids) if needs_prompt else [],
             output_token_ids=list(req.output_token_ids) if needs_output else [],
+            num_draft_tokens=len(drafts),
         )
+        req.num_computed_tokens += len(drafts)
+        return scheduled
 
     def _admission_queue(self) -> list[Request]:
         if not self.static:
@@ -219,6 +280,7 @@ class Scheduler:
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        req.draft_token_ids = []
         req.num_preemptions += 1
         self.num_preemptions += 1
         queue = self._static_batch if self.static else self.waiting

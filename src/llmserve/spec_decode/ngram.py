@@ -1,0 +1,52 @@
+"""Prompt lookup: propose the tokens that followed the last earlier occurrence of the
+sequence's own ending n-gram (the longest n between min and max that occurs earlier)."""
+
+from __future__ import annotations
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+
+def ngram_propose(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:
+    """Up to ``k`` tokens that followed the most recent earlier match of the last n tokens,
+    for the longest n in [min_n, max_n] that has one; [] when none has.
+
+    ``tokens``: the prompt and output so far (1-D integer array).
+    """
+    length = len(tokens)
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        suffix = tokens[length - n:]
+        # Windows that start before the suffix itself and have a token after them.
+        windows = sliding_window_view(tokens[:length - 1], n)
+        hits = np.flatnonzero((windows == suffix).all(axis=1))
+        if len(hits):
+            start = int(hits[-1]) + n  # the most recent occurrence: the freshest context
+            return tokens[start:start + k].tolist()
+    return []
+
+
+class NgramProposer:
+    """The ``ngram`` method; keeps a growing numpy copy of each request's tokens."""
+
+    cheap = True
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.min_n, self.max_n = min_n, max_n
+        self._tokens: dict[str, np.ndarray] = {}
+
+    def propose(self, requests: list, counts: list[int]) -> list[list[int]]:
+        return [ngram_propose(self._history(r), self.min_n, self.max_n, k) if k else []
+                for r, k in zip(requests, counts)]
+
+    def _history(self, request) -> np.ndarray:
+        all_ids = request.all_token_ids
+        cached = self._tokens.get(request.request_id)
+        if cached is None or len(cached) > len(all_ids):
+            cached = np.asarray(all_ids, dtype=np.int64)
+        elif len(cached) < len(all_ids):
+            cached = np.concatenate([cached, np.asarray(all_ids[len(cached):], np.int64)])
+        self._tokens[request.request_id] = cached
+        return cached
+
+    def free(self, request_id: str) -> None:
+        self._tokens.pop(request_id, None)

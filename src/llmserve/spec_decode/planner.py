@@ -1,0 +1,66 @@
+"""How many draft tokens each request verifies this step: a pure function of the requests'
+acceptance rates, the step's size and a measured cost of steps by size.
+
+A draft token costs one more row in the step's forward pass for every request in the
+batch, and pays only if accepted. Draft j of a request with acceptance rate a is emitted
+with probability a**j (every draft before it must be accepted too). With B requests
+sampling and D drafts in a step of N tokens, the step emits B + sum(a**j) tokens in
+cost(N + D) seconds. The planner takes drafts in decreasing order of a**j and keeps the
+count D that maximises tokens per second (no drafts unless they raise it). One request on
+an idle machine speculates freely; in a full batch every row is already paid for by
+another request's token, and speculation switches itself off.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+
+
+class StepCost:
+    """Seconds of a forward pass by its number of tokens: measured points, linear in
+    between and beyond."""
+
+    def __init__(self, points: Sequence[tuple[int, float]]) -> None:
+        points = sorted(points)
+        if len(points) < 2 or any(n < 1 or t <= 0 for n, t in points):
+            raise ValueError("a step cost needs >= 2 points of (tokens >= 1, seconds > 0)")
+        self.tokens = [n for n, _ in points]
+        self.seconds = [t for _, t in points]
+
+    def __call__(self, num_tokens: int) -> float:
+        ns, ts = self.tokens, self.seconds
+        i = min(max(bisect.bisect_left(ns, num_tokens), 1), len(ns) - 1)
+        n0, n1, t0, t1 = ns[i - 1], ns[i], ts[i - 1], ts[i]
+        return max(t0 + (t1 - t0) * (num_tokens - n0) / (n1 - n0), 1e-9)
+
+    def __repr__(self) -> str:
+        return "StepCost(" + ", ".join(f"{n}: {t * 1e3:.2f} ms"
+                                       for n, t in zip(self.tokens, self.seconds)) + ")"
+
+
+def plan_drafts(acceptance: Sequence[float], max_drafts: Sequence[int], *,
+                num_sampling: int, num_tokens: int, budget: int,
+                cost: StepCost) -> list[int]:
+    """Draft tokens per candidate request.
+
+    acceptance[r]: the request's acceptance rate per draft token, in [0, 1).
+    max_drafts[r]: the most drafts it may verify (its proposer's limit, its max_tokens).
+    num_sampling: requests that sample this step (each emits one token without drafts).
+    num_tokens: tokens in the step without drafts; budget: tokens the step may add.
+    """
+    candidates = sorted(
+        ((a ** j, j, r) for r, (a, k) in enumerate(zip(acceptance, max_drafts))
+         for j in range(1, k + 1)),
+        key=lambda c: (-c[0], c[1], c[2]))[:max(budget, 0)]
+    best_rate = num_sampling / cost(num_tokens)
+    best_count, expected = 0, float(num_sampling)
+    for d, (q, _, _) in enumerate(candidates, start=1):
+        expected += q
+        rate = expected / cost(num_tokens + d)
+        if rate > best_rate * (1 + 1e-9):
+            best_rate, best_count = rate, d
+    counts = [0] * len(acceptance)
+    for _, _, r in candidates[:best_count]:
+        counts[r] += 1
+    return counts

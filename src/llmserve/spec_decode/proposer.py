@@ -1,0 +1,89 @@
+"""The proposer protocol and the Speculator, which runs before each step: it picks the
+decoding requests, asks the planner how many drafts each may verify, and hands each
+request its draft tokens (``Request.draft_token_ids``) for the scheduler to place."""
+
+from __future__ import annotations
+
+import time
+from typing import Protocol
+
+from llmserve.config import SpeculativeConfig
+from llmserve.engine.request import Request, RequestStatus
+from llmserve.logger import get_logger
+from llmserve.spec_decode.ngram import NgramProposer
+from llmserve.spec_decode.planner import StepCost, plan_drafts
+
+logger = get_logger(__name__)
+
+
+class Proposer(Protocol):
+    """Draft tokens for requests: ``counts[i]`` at most for ``requests[i]``."""
+
+    # True when proposing costs next to nothing (history lookups): the Speculator then
+    # proposes first and plans over what was found; a model proposes after planning.
+    cheap: bool
+
+    def propose(self, requests: list[Request], counts: list[int]) -> list[list[int]]: ...
+
+    def free(self, request_id: str) -> None: ...
+
+
+def build_proposer(config: SpeculativeConfig, **draft_kwargs) -> Proposer:
+    if config.method == "ngram":
+        return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+    from llmserve.spec_decode.draft import DraftProposer
+
+    return DraftProposer(config, **draft_kwargs)
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer, cost: StepCost,
+                 max_num_batched_tokens: int) -> None:
+        self.config = config
+        self.proposer = proposer
+        self.cost = cost
+        self.budget = max_num_batched_tokens
+        self.seconds = 0.0  # spent proposing and planning (cumulative)
+
+    def prepare(self, running: list[Request], waiting: list[Request]) -> int:
+        """Set the draft tokens of the running requests for the next step; returns how
+        many were proposed."""
+        start = time.perf_counter()
+        decoding, pending = [], 0
+        for r in running:
+            r.draft_token_ids = []
+            todo = r.num_tokens - r.num_computed_tokens
+            pending += todo
+            if todo == 1 and r.status == RequestStatus.RUNNING:
+                decoding.append(r)
+        pending += sum(r.num_tokens - r.num_computed_tokens for r in waiting)
+        base = min(pending, self.budget)
+        if not decoding or base >= self.budget:
+            return 0
+        k = self.config.num_speculative_tokens
+        limits = [max(0, min(k, r.max_tokens - r.num_output_tokens - 1)) for r in decoding]
+        plan_kw = dict(num_sampling=len(decoding), num_tokens=base,
+                       budget=self.budget - base, cost=self.cost)
+        acceptance = [r.acceptance_rate for r in decoding]
+        if self.proposer.cheap:
+            proposals = self.proposer.propose(decoding, limits)
+            counts = plan_drafts(acceptance, [len(p) for p in proposals], **plan_kw)
+            proposals = [p[:c] for p, c in zip(proposals, counts)]
+        else:
+            counts = plan_drafts(acceptance, limits, **plan_kw)
+            chosen = [i for i, c in enumerate(counts) if c]
+            proposals = [[] for _ in decoding]
+            if chosen:
+                found = self.proposer.propose([decoding[i] for i in chosen],
+                                              [counts[i] for i in chosen])
+                for i, p in zip(chosen, found):
+                    proposals[i] = p[:counts[i]]
+        total = 0
+        for r, p in zip(decoding, proposals):
+            r.draft_token_ids = p
+            total += len(p)
+        self.seconds += time.perf_counter() - start
+        return total
+
+    def free(self, request_id: str) -> None:
+        self.proposer.free(request_id)

@@ -1,0 +1,97 @@
+"""Speculative decoding through the engine: the output is the same with and without it,
+token for token (greedy and seeded sampling, every sampling parameter), alone and in any
+batch; drafts are proposed and accepted along the way (checked, so the comparison is not
+vacuous)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from llmserve import LLM, SamplingParams
+from llmserve.spec_decode import StepCost
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+         "prompt_lookup_max": 3}
+# Rows cost nothing: the planner then speculates in any batch (the identity must hold
+# whatever the planner decides; this makes it decide "speculate" as often as possible).
+FREE_ROWS = StepCost([(1, 1.0), (1 << 20, 1.0)])
+
+
+def _params(rng: random.Random, i: int) -> SamplingParams:
+    kind = i % 5
+    common = dict(max_tokens=rng.randint(1, 40), ignore_eos=True)
+    if kind == 0:
+        return SamplingParams(temperature=0, **common)
+    if kind == 1:
+        return SamplingParams(temperature=0.8, top_k=20, seed=i, logprobs=2, **common)
+    if kind == 2:
+        return SamplingParams(temperature=0, frequency_penalty=0.5, repetition_penalty=1.2,
+                              logit_bias={rng.randrange(17, 49152): 2.0}, **common)
+    if kind == 3:
+        return SamplingParams(temperature=1.0, top_p=0.9, seed=1000 + i, n=2,
+                              presence_penalty=0.3, **common)
+    return SamplingParams(temperature=0, min_tokens=3, max_tokens=rng.randint(3, 40),
+                          stop_token_ids=[rng.randrange(17, 49152)], logprobs=1)
+
+
+def _workload(n: int = 50):
+    """Prompts with repeated stretches (something to copy) and without."""
+    rng = random.Random(7)
+    prompts = []
+    for i in range(n):
+        piece = [rng.randrange(17, 49152) for _ in range(rng.randint(1, 12))]
+        noise = [rng.randrange(17, 49152) for _ in range(rng.randint(0, 30))]
+        prompts.append(noise + piece * rng.randint(1, 6) if i % 3 else noise + piece)
+    return prompts, [_params(rng, i) for i in range(n)]
+
+
+def _run(model, prompts, params, speculative, alone: bool, **kw):
+    llm = LLM(str(model), max_model_len=512, num_kv_blocks=512, speculative_config=speculative,
+              **kw)
+    if llm.engine.speculator is not None:
+        llm.engine.speculator.cost = FREE_ROWS
+    if alone:
+        outs = [llm.generate([p], sp)[0] for p, sp in zip(prompts, params)]
+    else:
+        outs = llm.generate(prompts, params)
+    llm.engine.kv_manager.check_integrity()
+    assert llm.engine.stats().kv_blocks_used == 0
+    result = [[(c.token_ids, c.text, c.finish_reason,
+                None if c.logprobs is None else [{t: round(lp.logprob, 4) for t, lp in d.items()}
+                                                 for d in c.logprobs])
+               for c in o.outputs] for o in outs]
+    return result, llm.engine.stats()
+
+
+@pytest.mark.parametrize("fmt", [pytest.param({}, id="float32"),
+                                 pytest.param({"quantization": "int4"}, id="int4")])
+def test_output_identical_with_and_without_speculation(tiny_model_dir, fmt):
+    path, _ = tiny_model_dir("llama-gqa")
+    prompts, params = _workload()
+    reference, _ = _run(path, prompts, params, None, alone=True, **fmt)
+    batched, stats = _run(path, prompts, params, NGRAM, alone=False,
+                          max_num_batched_tokens=96, max_num_seqs=16, **fmt)
+    assert stats.spec_accepted_tokens > 0 and stats.spec_draft_tokens > stats.spec_accepted_tokens
+    for i, (got, want) in enumerate(zip(batched, reference)):
+        assert got == want, f"request {i}: {params[i]}"
+    alone, stats = _run(path, prompts, params, NGRAM, alone=True, **fmt)
+    assert stats.spec_accepted_tokens > 0
+    assert alone == reference
+
+
+def test_stop_strings_cut_an_accepted_run(tiny_model_dir):
+    path, _ = tiny_model_dir("llama-gqa")
+    llm = LLM(str(path), max_model_len=512, num_kv_blocks=256)
+    prompt = [rng_tok for rng_tok in range(300, 340)] * 3
+    free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=40))[0].outputs[0]
+    stop = free.text[len(free.text) // 2:len(free.text) // 2 + 3]
+    assert stop.strip(), free.text
+    params = SamplingParams(temperature=0, max_tokens=40, stop=[stop])
+    want = llm.generate([prompt], params)[0].outputs[0]
+    spec = LLM(str(path), max_model_len=512, num_kv_blocks=256, speculative_config=NGRAM)
+    spec.engine.speculator.cost = FREE_ROWS
+    got = spec.generate([prompt], params)[0].outputs[0]
+    assert (got.text, got.token_ids, got.finish_reason) == (want.text, want.token_ids, "stop")
+    assert spec.engine.stats().spec_draft_tokens > 0

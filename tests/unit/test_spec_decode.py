@@ -1,0 +1,258 @@
+"""Speculative decoding without a model: the n-gram proposer against a brute-force search,
+the planner against exhaustive search, the scheduler's verification bookkeeping with a
+fake runner that returns k + 1 tokens, and the acceptance rule's distribution."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from llmserve.config import SpeculativeConfig
+from llmserve.engine.request import Request, RequestStatus
+from llmserve.runner.model_runner import accepted_prefix, token_seed
+from llmserve.sample.sampler import Sampler, SamplingRow
+from llmserve.sampling_params import SamplingParams
+from llmserve.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from llmserve.spec_decode import StepCost, ngram_propose, plan_drafts
+from tests.unit.test_sampling_distribution import CHI2_CRIT_0001
+from tests.unit.test_scheduler import make, req
+
+# ---- the n-gram proposer ------------------------------------------------------------------
+
+
+def _ngram_reference(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
+    """Slow, obvious: for n from max to min, scan every earlier start from the latest."""
+    for n in range(max_n, min_n - 1, -1):
+        if n >= len(tokens):
+            continue
+        suffix = tokens[-n:]
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start:start + n] == suffix:
+                return tokens[start + n:start + n + k]
+    return []
+
+
+def test_ngram_matches_a_brute_force_search():
+    rng = random.Random(0)
+    for _ in range(2000):
+        alphabet = rng.randint(2, 6)
+        tokens = [rng.randrange(alphabet) for _ in range(rng.randint(1, 40))]
+        lo = rng.randint(1, 4)
+        hi = rng.randint(lo, 6)
+        k = rng.randint(1, 5)
+        got = ngram_propose(np.array(tokens), lo, hi, k)
+        assert got == _ngram_reference(tokens, lo, hi, k), (tokens, lo, hi, k)
+
+
+def test_ngram_prefers_the_longest_match():
+    tokens = [1, 2, 3, 9, 5, 2, 3, 7, 1, 2, 3]
+    assert ngram_propose(np.array(tokens), 2, 3, 2) == [9, 5]  # "1 2 3" -> 9, not "2 3" -> 7
+    assert ngram_propose(np.array(tokens), 2, 2, 2) == [7, 1]  # only bigrams: latest "2 3"
+    assert ngram_propose(np.array([4, 5, 6]), 1, 3, 4) == []
+
+
+# ---- the planner --------------------------------------------------------------------------
+
+
+def _rate(acceptance, counts, num_sampling, num_tokens, cost):
+    expected = num_sampling + sum(a ** j for a, c in zip(acceptance, counts)
+                                  for j in range(1, c + 1))
+    return expected / cost(num_tokens + sum(counts))
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_planner_finds_the_best_allocation(seed):
+    rng = random.Random(seed)
+    points = sorted({1, *(rng.randint(2, 64) for _ in range(4))})
+    base = rng.uniform(0.005, 0.02)
+    cost = StepCost([(n, base + n * rng.uniform(0.0002, 0.004)) for n in points])
+    r = rng.randint(1, 3)
+    acceptance = [rng.uniform(0, 0.99) for _ in range(r)]
+    limits = [rng.randint(0, 4) for _ in range(r)]
+    kw = dict(num_sampling=r + rng.randint(0, 8), num_tokens=r + rng.randint(0, 20))
+    budget = rng.randint(0, 12)
+    counts = plan_drafts(acceptance, limits, budget=budget, cost=cost, **kw)
+    assert all(0 <= c <= k for c, k in zip(counts, limits)) and sum(counts) <= budget
+    best = max(_rate(acceptance, c, cost=cost, **kw)
+               for c in itertools.product(*(range(k + 1) for k in limits)) if sum(c) <= budget)
+    assert math.isclose(_rate(acceptance, counts, cost=cost, **kw), best, rel_tol=1e-9)
+
+
+def test_planner_speculates_alone_and_switches_off_in_a_full_batch():
+    # A step of 1 token costs 15 ms, each more token 3 ms (this machine's int4 default).
+    cost = StepCost([(1, 0.015), (512, 0.015 + 511 * 0.003)])
+    alone = plan_drafts([0.8], [4], num_sampling=1, num_tokens=1, budget=2047, cost=cost)
+    assert alone == [4]
+    # At 0.7 the fourth draft (emitted with probability 0.24) is not worth 3 ms.
+    assert plan_drafts([0.7], [4], num_sampling=1, num_tokens=1, budget=9, cost=cost) == [3]
+    busy = plan_drafts([0.7] * 64, [4] * 64, num_sampling=64, num_tokens=64, budget=1984,
+                       cost=cost)
+    assert busy == [0] * 64
+    hopeless = plan_drafts([0.01], [4], num_sampling=1, num_tokens=1, budget=100, cost=cost)
+    assert hopeless == [0]
+    assert plan_drafts([0.9], [4], num_sampling=1, num_tokens=1, budget=0, cost=cost) == [0]
+
+
+def test_step_cost_interpolates_and_extrapolates():
+    cost = StepCost([(1, 1.0), (3, 2.0), (5, 6.0)])
+    assert cost(2) == 1.5 and cost(4) == 4.0 and cost(7) == 10.0 and cost(1) == 1.0
+    with pytest.raises(ValueError):
+        StepCost([(1, 1.0)])
+
+
+# ---- the configuration ------------------------------------------------------------------
+
+
+def test_speculative_config_from_json_names_what_is_wrong():
+    cfg = SpeculativeConfig.from_json('{"method": "ngram", "num_speculative_tokens": 3, '
+                                      '"prompt_lookup_max": 5}')
+    assert (cfg.method, cfg.num_speculative_tokens, cfg.prompt_lookup_max) == ("ngram", 3, 5)
+    for text, words in [('{"method": "medusa"}', "must be one of"),
+                        ('{"num_speculative_tokens": 0}', "[1, 16]"),
+                        ('{"prompt_lookup_min": 5, "prompt_lookup_max": 2}', "min <= max"),
+                        ('{"method": "draft"}', 'needs "model"'),
+                        ('{"num_speculative_token": 4}', "unknown speculative config keys"),
+                        ("[1]", "JSON object"), ("{", "not valid JSON")]:
+        with pytest.raises(ValueError) as e:
+            SpeculativeConfig.from_json(text)
+        assert words in str(e.value), (text, str(e.value))
+
+
+# ---- the scheduler verifies drafts --------------------------------------------------------
+
+
+class TruthRunner:
+    """Each request's "true" continuation is a fixed sequence; the runner samples it at
+    every row (so it accepts the drafts that agree with it) and checks the step's layout."""
+
+    def __init__(self, truth: dict[str, list[int]]) -> None:
+        self.truth = truth
+        self.steps: list[SchedulerOutput] = []
+
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        self.steps.append(sched)
+        out = ModelRunnerOutput()
+        for s in sched.scheduled:
+            if not s.sample:
+                continue
+            k = s.num_draft_tokens
+            first_pos = s.start_pos + s.num_tokens - k  # where the first sample goes
+            samples = [self.truth[s.request_id][first_pos + j] for j in range(k + 1)]
+            out.sampled_token_ids[s.request_id] = accepted_prefix(samples, s.draft_token_ids)
+        return out
+
+
+def _drive(s, runner, requests, propose) -> None:
+    """Before each step, ``propose(request)`` sets its drafts; integrity after each step."""
+    for r in requests:
+        s.add_request(r)
+    for _ in range(500):
+        if not s.has_unfinished():
+            break
+        for r in s.running:
+            if r.num_tokens - r.num_computed_tokens == 1:
+                r.draft_token_ids = propose(r)
+        out = s.schedule()
+        assert out.num_batched_tokens == sum(x.num_tokens for x in out.scheduled)
+        s.update(out, runner.execute(out))
+        s.kv.check_integrity()
+        for r in s.running:
+            assert r.num_computed_tokens == r.num_tokens - 1 or r.num_computed_tokens < \
+                r.num_prompt_tokens
+    assert not s.has_unfinished()
+    assert s.kv.num_free_blocks == s.kv.num_blocks and s.kv.num_requests() == 0
+
+
+def _truth(r: Request, length: int = 64) -> list[int]:
+    rng = random.Random(r.request_id)
+    return r.prompt_token_ids + [rng.randrange(100, 900) for _ in range(length)]
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_drafts_are_verified_and_the_output_is_the_truth(seed):
+    rng = random.Random(seed)
+    s, _ = make(num_blocks=40, budget=rng.choice([8, 16, 32]), max_seqs=4)
+    requests = [req(f"r{seed}-{i}", rng.randint(1, 20), max_tokens=rng.randint(1, 30))
+                for i in range(6)]
+    truth = {r.request_id: _truth(r) for r in requests}
+
+    def propose(r: Request) -> list[int]:  # right for a while, then wrong
+        t = truth[r.request_id][r.num_tokens:r.num_tokens + rng.randint(0, 5)]
+        cut = rng.randint(0, len(t))
+        return t[:cut] + [1] * (len(t) - cut)
+
+    runner = TruthRunner(truth)
+    _drive(s, runner, requests, propose)
+    for r in requests:
+        assert r.output_token_ids == truth[r.request_id][r.num_prompt_tokens:][:r.max_tokens]
+        assert r.status == RequestStatus.FINISHED_LENGTH
+    assert any(x.num_draft_tokens for step in runner.steps for x in step.scheduled)
+    stats = s.stats()
+    assert 0 < stats.spec_accepted_tokens <= stats.spec_draft_tokens
+    assert sum(stats.spec_accepted_per_pos) == stats.spec_accepted_tokens
+
+
+def test_a_stop_token_inside_an_accepted_run_ends_it_there():
+    s, _ = make()
+    r = Request("a", [5, 6, 7], SamplingParams(max_tokens=20, temperature=0,
+                                               stop_token_ids=[503]), max_tokens=20)
+    truth = {"a": [5, 6, 7, 501, 502, 503, 504, 505, 506]}
+    _drive(s, TruthRunner(truth), [r], lambda r: truth["a"][r.num_tokens:r.num_tokens + 4])
+    assert r.output_token_ids == [501, 502, 503] and r.stop_reason == 503
+
+
+def test_drafts_never_preempt_and_respect_the_budget():
+    # 3 blocks of 4: the prompt takes 2; drafts beyond the pool are dropped, nobody preempted.
+    s, _ = make(num_blocks=3, budget=6)
+    r = req("a", 7, max_tokens=5)
+    truth = {"a": _truth(r)}
+    runner = TruthRunner(truth)
+    _drive(s, runner, [r], lambda r: truth["a"][r.num_tokens:r.num_tokens + 8])
+    assert s.num_preemptions == 0
+    assert r.output_token_ids == truth["a"][7:12]
+    assert max(x.num_tokens for step in runner.steps for x in step.scheduled) <= 6
+
+
+def test_preemption_drops_drafts_and_recomputes():
+    s, _ = make(num_blocks=6, budget=32, max_seqs=4)
+    requests = [req(f"p{i}", 6, max_tokens=12) for i in range(3)]
+    truth = {r.request_id: _truth(r) for r in requests}
+    _drive(s, TruthRunner(truth), requests,
+           lambda r: truth[r.request_id][r.num_tokens:r.num_tokens + 3])
+    assert s.num_preemptions > 0
+    for r in requests:
+        assert r.output_token_ids == truth[r.request_id][6:18]
+
+
+# ---- the acceptance rule's distribution -------------------------------------------------
+
+
+def test_verifying_a_draft_keeps_the_target_distribution():
+    """Deterministic draft d: accepted with probability p(d); the first emitted token is
+    distributed as p (chi-square, alpha 0.001), and without the draft it is the very same
+    token (per-position seeds)."""
+    logits = torch.tensor([2.0, 1.5, 1.0, 0.6, 0.2, -0.5, -1.0, -3.0])
+    probs = torch.softmax(logits, 0)
+    params = SamplingParams(temperature=1.0, seed=0)
+    trials, draft = 4000, 1
+    sampler = Sampler()
+
+    def rows(position_seed_base: int) -> list[SamplingRow]:
+        return [SamplingRow(params, torch.Generator().manual_seed(token_seed(s, 10)), [], [],
+                            frozenset()) for s in range(position_seed_base, trials)]
+
+    first = sampler(logits.repeat(trials, 1), rows(0)).token_ids
+    emitted = [accepted_prefix([t, 0], [draft])[0] for t in first]
+    alone = sampler(logits.repeat(trials, 1), rows(0)).token_ids
+    assert emitted == alone  # speculation does not change a seeded request's tokens
+    counts = np.bincount(emitted, minlength=len(logits))
+    expected = probs.numpy() * trials
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < CHI2_CRIT_0001[len(logits) - 1], (counts, expected)
+    accepted = sum(t == draft for t in first) / trials
+    assert abs(accepted - float(probs[draft])) < 4 * math.sqrt(0.25 / trials)
