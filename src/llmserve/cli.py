@@ -119,6 +119,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="admission order: first come first served, or by request priority "
                         "(lower first; then arrival)")
     p.add_argument("--seed", type=int, default=0, help="engine seed")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, as JSON like vLLM\'s: {"method": "ngram", '
+                        '"num_speculative_tokens": 4, "prompt_lookup_max": 4} or {"method": '
+                        '"draft", "model": "PATH", "draft_num_layers": 8}; off by default')
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 256) -> None:
@@ -130,8 +134,17 @@ def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 256) -> Non
 
 
 def _engine_config(args: argparse.Namespace):
-    from llmserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+    from llmserve.config import (
+        CacheConfig,
+        EngineConfig,
+        ModelConfig,
+        SchedulerConfig,
+        SpeculativeConfig,
+    )
 
+    speculative = None
+    if args.speculative_config:
+        speculative = SpeculativeConfig.from_json(args.speculative_config)
     return EngineConfig(
         model=ModelConfig(args.model, args.device, args.max_model_len,
                           quantization=args.quantization, dtype=args.dtype,
@@ -142,7 +155,7 @@ def _engine_config(args: argparse.Namespace):
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_num_seqs=args.max_num_seqs, scheduling=args.scheduling,
                                   policy=args.scheduling_policy),
-        seed=args.seed)
+        seed=args.seed, speculative=speculative)
 
 
 def _make_llm(args: argparse.Namespace):

@@ -65,12 +65,24 @@ def _run(model, prompts, params, speculative, alone: bool, **kw):
     return result, llm.engine.stats()
 
 
+_REFERENCE: dict = {}
+
+
+def _reference(path, fmt: dict):
+    """Each of the 50 requests alone without speculation (computed once per format)."""
+    key = (str(path), tuple(sorted(fmt.items())))
+    if key not in _REFERENCE:
+        prompts, params = _workload()
+        _REFERENCE[key] = _run(path, prompts, params, None, alone=True, **fmt)[0]
+    return _REFERENCE[key]
+
+
 @pytest.mark.parametrize("fmt", [pytest.param({}, id="float32"),
                                  pytest.param({"quantization": "int4"}, id="int4")])
 def test_output_identical_with_and_without_speculation(tiny_model_dir, fmt):
     path, _ = tiny_model_dir("llama-gqa")
     prompts, params = _workload()
-    reference, _ = _run(path, prompts, params, None, alone=True, **fmt)
+    reference = _reference(path, fmt)
     batched, stats = _run(path, prompts, params, NGRAM, alone=False,
                           max_num_batched_tokens=96, max_num_seqs=16, **fmt)
     assert stats.spec_accepted_tokens > 0 and stats.spec_draft_tokens > stats.spec_accepted_tokens
@@ -95,3 +107,36 @@ def test_stop_strings_cut_an_accepted_run(tiny_model_dir):
     got = spec.generate([prompt], params)[0].outputs[0]
     assert (got.text, got.token_ids, got.finish_reason) == (want.text, want.token_ids, "stop")
     assert spec.engine.stats().spec_draft_tokens > 0
+
+
+@pytest.mark.parametrize("draft", [pytest.param({}, id="same-model"),
+                                   pytest.param({"draft_num_layers": 1}, id="first-layer")])
+def test_draft_model_output_identical(tiny_model_dir, draft):
+    """A draft model proposes; the output is the target's, token for token. The target as
+    its own draft proposes exactly what greedy requests then emit."""
+    path, _ = tiny_model_dir("llama-gqa")
+    prompts, params = (x[:20] for x in _workload())
+    reference = _reference(path, {})[:20]
+    config = {"method": "draft", "model": str(path), "num_speculative_tokens": 3, **draft}
+    batched, stats = _run(path, prompts, params, config, alone=False,
+                          max_num_batched_tokens=96, max_num_seqs=16)
+    assert stats.spec_draft_tokens > stats.spec_accepted_tokens > 0
+    for i, (got, want) in enumerate(zip(batched, reference)):
+        assert got == want, f"request {i}: {params[i]}"
+
+
+def test_the_target_as_its_own_draft_is_always_accepted(tiny_model_dir):
+    path, _ = tiny_model_dir("llama-gqa")
+    prompts, _ = _workload(8)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    config = {"method": "draft", "model": str(path), "num_speculative_tokens": 4}
+    llm = LLM(str(path), max_model_len=512, num_kv_blocks=256, speculative_config=config)
+    llm.engine.speculator.cost = FREE_ROWS
+    want = LLM(str(path), max_model_len=512, num_kv_blocks=256).generate(prompts, params)
+    got = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    stats = llm.engine.stats()
+    assert stats.spec_draft_tokens > 0
+    assert stats.spec_accepted_tokens == stats.spec_draft_tokens
+    assert not llm.engine.speculator.proposer._seqs  # every request's draft blocks freed
+    assert len(llm.engine.speculator.proposer._free) == llm.engine.speculator.proposer.num_blocks

@@ -138,7 +138,7 @@ class EngineCore:
         sched = self.scheduler.schedule()
         result = self.runner.execute(sched)
         changed = self.scheduler.update(sched, result)
-        if self.speculator is not None:
+        if self.speculator is not None:  # ended outside a step (too long for the cache...)
             for rid in sched.finished_req_ids:
                 self.speculator.free(rid)
         outputs = []
@@ -156,6 +156,8 @@ class EngineCore:
         return outputs
 
     def _forget(self, r: Request) -> None:
+        if self.speculator is not None:
+            self.speculator.free(r.request_id)
         family = self._families.get(r.parent_id)
         if family is not None and all(cid not in self.scheduler.requests for cid in family):
             del self._families[r.parent_id]

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import importlib.util
 import itertools
 import json
+import re
 import resource
 import time
 from collections.abc import Iterator
@@ -74,12 +76,13 @@ def resolve_model_path(model: str) -> Path:
 
 def load_model(model: str = DEFAULT_MODEL, device: str | torch.device = "cpu", *,
                quantization: str = "auto", dtype: str = "float32",
-               group_size: int = 32) -> LoadedModel:
+               group_size: int = 32, num_layers: int | None = None) -> LoadedModel:
     """Build the model directly in its weight format and fill it tensor by tensor.
 
     ``quantization="auto"`` keeps what the file holds as close as the methods allow: a
     GGUF file of 4-bit blocks loads as int4, one of 8-bit blocks as int8, anything else
-    dense in ``dtype``.
+    dense in ``dtype``. ``num_layers`` keeps only the first layers (a layer-truncated copy,
+    used as a speculative draft model).
     """
     start = time.perf_counter()
     path = resolve_model_path(model)
@@ -98,6 +101,8 @@ def load_model(model: str = DEFAULT_MODEL, device: str | torch.device = "cpu", *
     if gguf is not None:
         keep_blocks = fmt.quantization == "int4" and fmt.group_size == 32
         weights = gguf.weights(cfg, keep_q4_blocks=keep_blocks)
+    if num_layers is not None:
+        cfg, weights = _first_layers(cfg, weights, num_layers, path)
     cls = _model_class(path, cfg)
     if torch.device(device).type == "cpu":
         cpu_ops()  # built (or found) now; a bad LLMSERVE_CPU_ISA fails here, with its name
@@ -113,6 +118,24 @@ def load_model(model: str = DEFAULT_MODEL, device: str | torch.device = "cpu", *
                  for t in itertools.chain(net.parameters(), net.buffers()))
     return LoadedModel(net, tokenizer, cfg, path, model, fmt, nbytes,
                        time.perf_counter() - start, peak_rss_bytes())
+
+
+_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def _first_layers(cfg: ArchConfig, weights: Iterator[tuple[str, torch.Tensor]],
+                  num_layers: int, path: Path):
+    if not 1 <= num_layers <= cfg.num_hidden_layers:
+        raise ModelLoadError(f"{path}: cannot keep {num_layers} layers of "
+                             f"{cfg.num_hidden_layers}; allowed: 1 to {cfg.num_hidden_layers}")
+
+    def kept():
+        for name, tensor in weights:
+            m = _LAYER_INDEX.search(name)
+            if m is None or int(m.group(1)) < num_layers:
+                yield name, tensor
+
+    return dataclasses.replace(cfg, num_hidden_layers=num_layers), kept()
 
 
 def load_tokenizer(model: str = DEFAULT_MODEL) -> Tokenizer:

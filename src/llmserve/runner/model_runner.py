@@ -97,6 +97,11 @@ class ModelRunner:
         rows = [i for i, s in enumerate(sched.scheduled) if s.sample]
         return self.model.compute_logits(hidden[ends[rows]])
 
+    @torch.inference_mode()
+    def write_kv(self, sched: SchedulerOutput) -> None:
+        """Run the step's forward pass for its KV alone (no logits, nothing sampled)."""
+        self._forward(sched)
+
     def time_verify_step(self, num_tokens: int, block_ids: list[int], repeats: int = 3) -> float:
         """Seconds of a step that verifies ``num_tokens - 1`` drafts of one request (every
         row computes logits and samples greedily); best of ``repeats``. The blocks must be

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from llmserve.scheduler import SchedulerStats
@@ -9,6 +11,22 @@ from llmserve.scheduler import SchedulerStats
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                     7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
+
+
+@dataclass(frozen=True)
+class _EngineCounters:
+    preemptions: int = 0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted: int = 0
+    spec_per_pos: tuple[int, ...] = ()
+
+    @classmethod
+    def of(cls, s: SchedulerStats) -> _EngineCounters:
+        return cls(s.num_preemptions, s.prefix_queries, s.prefix_hits, s.spec_num_drafts,
+                   s.spec_draft_tokens, s.spec_accepted_tokens, tuple(s.spec_accepted_per_pos))
 
 
 class ServerMetrics:
@@ -60,18 +78,39 @@ class ServerMetrics:
                                  "exit, hang).", ["model_name", "cause"], registry=r)
         self._rejected = Counter("llmserve:request_rejected", "Rejected requests by reason.",
                                  ["model_name", "reason"], registry=r)
-        self._last = (0, 0, 0)  # cumulative preemptions, prefix queries, prefix hits
+        # Speculative decoding, named like vLLM's spec_decode counters.
+        self.spec_drafts = counter("llmserve:spec_decode_num_drafts",
+                                   "Times a request verified draft tokens (one per request "
+                                   "and step).")
+        self.spec_draft_tokens = counter("llmserve:spec_decode_num_draft_tokens",
+                                         "Draft tokens verified.")
+        self.spec_accepted = counter("llmserve:spec_decode_num_accepted_tokens",
+                                     "Draft tokens accepted.")
+        self._spec_per_pos = Counter("llmserve:spec_decode_num_accepted_tokens_per_pos",
+                                     "Draft tokens accepted at each draft position (0 = the "
+                                     "first draft token); divided by num_drafts, the "
+                                     "acceptance rate per position.",
+                                     ["model_name", "position"], registry=r)
+        self._last = _EngineCounters()  # the engine's cumulative counters as last seen
 
     # ---- StatsSink -----------------------------------------------------------------------
 
     def on_step(self, stats: SchedulerStats, new_generation_tokens: int) -> None:
         self.update_gauges(stats)
         self.gen_tokens.inc(new_generation_tokens)
-        pre, q, h = self._last  # the engine's counters are cumulative since it started
-        self.preemptions.inc(max(0, stats.num_preemptions - pre))
-        self.prefix_queries.inc(max(0, stats.prefix_queries - q))
-        self.prefix_hits.inc(max(0, stats.prefix_hits - h))
-        self._last = (stats.num_preemptions, stats.prefix_queries, stats.prefix_hits)
+        # The engine's counters are cumulative since it started: add what they grew by.
+        now, last = _EngineCounters.of(stats), self._last
+        self.preemptions.inc(max(0, now.preemptions - last.preemptions))
+        self.prefix_queries.inc(max(0, now.prefix_queries - last.prefix_queries))
+        self.prefix_hits.inc(max(0, now.prefix_hits - last.prefix_hits))
+        self.spec_drafts.inc(max(0, now.spec_drafts - last.spec_drafts))
+        self.spec_draft_tokens.inc(max(0, now.spec_draft_tokens - last.spec_draft_tokens))
+        self.spec_accepted.inc(max(0, now.spec_accepted - last.spec_accepted))
+        for pos, count in enumerate(now.spec_per_pos):
+            before = last.spec_per_pos[pos] if pos < len(last.spec_per_pos) else 0
+            if count > before:
+                self._spec_per_pos.labels(self._model, str(pos)).inc(count - before)
+        self._last = now
 
     def update_gauges(self, stats: SchedulerStats) -> None:
         self.running.set(stats.num_running)
@@ -104,7 +143,7 @@ class ServerMetrics:
 
     def on_engine_restart(self, cause: str) -> None:
         self._restarts.labels(self._model, cause).inc()
-        self._last = (0, 0, 0)  # a new engine counts from zero
+        self._last = _EngineCounters()  # a new engine counts from zero
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

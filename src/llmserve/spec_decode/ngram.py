@@ -29,6 +29,7 @@ class NgramProposer:
     """The ``ngram`` method; keeps a growing numpy copy of each request's tokens."""
 
     cheap = True
+    step_seconds = 0.0
 
     def __init__(self, min_n: int, max_n: int) -> None:
         self.min_n, self.max_n = min_n, max_n

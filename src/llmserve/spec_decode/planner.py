@@ -9,6 +9,10 @@ cost(N + D) seconds. The planner takes drafts in decreasing order of a**j and ke
 count D that maximises tokens per second (no drafts unless they raise it). One request on
 an idle machine speculates freely; in a full batch every row is already paid for by
 another request's token, and speculation switches itself off.
+
+A proposer that runs a model (a draft model) costs ``propose_seconds`` per proposal step:
+proposing up to j drafts per request takes j such steps (the requests are batched in each),
+so the step's cost grows by j times that with its longest proposal.
 """
 
 from __future__ import annotations
@@ -41,23 +45,25 @@ class StepCost:
 
 def plan_drafts(acceptance: Sequence[float], max_drafts: Sequence[int], *,
                 num_sampling: int, num_tokens: int, budget: int,
-                cost: StepCost) -> list[int]:
+                cost: StepCost, propose_seconds: float = 0.0) -> list[int]:
     """Draft tokens per candidate request.
 
     acceptance[r]: the request's acceptance rate per draft token, in [0, 1).
     max_drafts[r]: the most drafts it may verify (its proposer's limit, its max_tokens).
     num_sampling: requests that sample this step (each emits one token without drafts).
     num_tokens: tokens in the step without drafts; budget: tokens the step may add.
+    propose_seconds: cost of one proposal step (0 for history lookups).
     """
     candidates = sorted(
         ((a ** j, j, r) for r, (a, k) in enumerate(zip(acceptance, max_drafts))
          for j in range(1, k + 1)),
         key=lambda c: (-c[0], c[1], c[2]))[:max(budget, 0)]
     best_rate = num_sampling / cost(num_tokens)
-    best_count, expected = 0, float(num_sampling)
-    for d, (q, _, _) in enumerate(candidates, start=1):
+    best_count, expected, longest = 0, float(num_sampling), 0
+    for d, (q, j, _) in enumerate(candidates, start=1):
         expected += q
-        rate = expected / cost(num_tokens + d)
+        longest = max(longest, j)
+        rate = expected / (cost(num_tokens + d) + propose_seconds * longest)
         if rate > best_rate * (1 + 1e-9):
             best_rate, best_count = rate, d
     counts = [0] * len(acceptance)

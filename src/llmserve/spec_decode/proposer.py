@@ -22,6 +22,8 @@ class Proposer(Protocol):
     # True when proposing costs next to nothing (history lookups): the Speculator then
     # proposes first and plans over what was found; a model proposes after planning.
     cheap: bool
+    # Seconds of one proposal step (a draft model's forward pass; 0 for lookups).
+    step_seconds: float
 
     def propose(self, requests: list[Request], counts: list[int]) -> list[list[int]]: ...
 
@@ -63,7 +65,8 @@ class Speculator:
         k = self.config.num_speculative_tokens
         limits = [max(0, min(k, r.max_tokens - r.num_output_tokens - 1)) for r in decoding]
         plan_kw = dict(num_sampling=len(decoding), num_tokens=base,
-                       budget=self.budget - base, cost=self.cost)
+                       budget=self.budget - base, cost=self.cost,
+                       propose_seconds=self.proposer.step_seconds)
         acceptance = [r.acceptance_rate for r in decoding]
         if self.proposer.cheap:
             proposals = self.proposer.propose(decoding, limits)

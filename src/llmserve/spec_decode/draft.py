@@ -1,0 +1,168 @@
+"""The draft-model proposer: a smaller model with the target's vocabulary proposes greedily.
+
+The draft runs on the same engine code as the target (a ``ModelRunner`` with its own paged
+KV cache and its own block table per request, so the target's block accounting never sees
+it). Per request it remembers how many tokens of the history its cache holds; each call
+first catches up on what the target accepted since (the whole prompt the first time, a few
+tokens later), then runs ``k`` one-token steps, all requests batched in each pass. A
+proposal that the target then accepts is already in the draft's cache: the next call starts
+after it.
+
+Proposals are greedy, so each is deterministic given the history, and the target's rule
+for deterministic proposals (keep a draft while the target's own sample equals it) is exact
+in distribution; see ``runner/model_runner.py``.
+
+A request whose draft blocks cannot be had gets no proposal this step (and the target runs
+as without speculation); its cache is kept for later.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from llmserve.attention.kv_format import resolve_kv_cache_dtype
+from llmserve.config import EngineConfig, SpeculativeConfig
+from llmserve.engine.request import Request
+from llmserve.errors import ModelLoadError
+from llmserve.logger import get_logger
+from llmserve.models.loader import LoadedModel, load_model
+from llmserve.runner import ModelRunner
+from llmserve.sampling_params import SamplingParams
+from llmserve.scheduler.output import ScheduledRequest, SchedulerOutput
+
+logger = get_logger(__name__)
+
+_GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
+
+
+@dataclass
+class _DraftSequence:
+    blocks: list[int] = field(default_factory=list)
+    num_computed: int = 0  # history tokens whose KV the draft cache holds
+    proposed: list[int] = field(default_factory=list)  # the last proposal, KV held for all
+    # but its last token (positions num_computed ...)
+
+
+class DraftProposer:
+    cheap = False  # a model runs: plan first, then propose only what the plan uses
+
+    def __init__(self, config: SpeculativeConfig, *, target: LoadedModel,
+                 engine_config: EngineConfig, num_blocks: int,
+                 draft: LoadedModel | None = None) -> None:
+        mc = engine_config.model
+        self.loaded = draft or load_model(config.model, mc.device,
+                                          quantization=config.quantization, dtype=mc.dtype,
+                                          group_size=mc.int4_group_size,
+                                          num_layers=config.draft_num_layers)
+        arch, target_arch = self.loaded.arch_config, target.arch_config
+        if arch.vocab_size != target_arch.vocab_size:
+            raise ModelLoadError(f"draft model {config.model}: vocabulary of "
+                                 f"{arch.vocab_size} tokens, the target's has "
+                                 f"{target_arch.vocab_size}; a draft must share the "
+                                 "target's tokenizer")
+        self.block_size = engine_config.cache.block_size
+        self.budget = engine_config.scheduler.max_num_batched_tokens
+        kv_dtype = resolve_kv_cache_dtype(engine_config.cache.kv_cache_dtype,
+                                          self.loaded.weight_format.dtype)
+        self.runner = ModelRunner(self.loaded.model, arch, num_blocks=num_blocks,
+                                  block_size=self.block_size, device=mc.device,
+                                  kv_cache_dtype=kv_dtype)
+        self.num_blocks = num_blocks
+        self._free = list(range(num_blocks - 1, -1, -1))
+        self._seqs: dict[str, _DraftSequence] = {}
+        self.step_seconds = self._time_step()
+        logger.info("draft model: %s, %d layers", self.loaded.describe(),
+                    arch.num_hidden_layers)
+
+    # ---- Proposer ------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def propose(self, requests: list[Request], counts: list[int]) -> list[list[int]]:
+        proposals: list[list[int]] = [[] for _ in requests]
+        active: list[tuple[int, Request, _DraftSequence]] = []
+        for i, (r, k) in enumerate(zip(requests, counts)):
+            if k <= 0:
+                continue
+            seq = self._seqs.setdefault(r.request_id, _DraftSequence())
+            self._reuse_accepted(seq, r.all_token_ids)
+            # KV for the history and for all but the last of the k proposals.
+            if self._reserve(seq, r.num_tokens + k - 1):
+                active.append((i, r, seq))
+        if not active:
+            return proposals
+        self._catch_up(active)  # every history token but the last now in the cache
+        last = [r.all_token_ids[-1] for _, r, _ in active]
+        for step in range(max(counts[i] for i, _, _ in active)):
+            items, owners = [], []
+            for (i, r, seq), token in zip(active, last):
+                if step >= counts[i]:
+                    continue
+                pos = r.num_tokens - 1 + step
+                items.append(ScheduledRequest(r.request_id, [token], pos, seq.blocks, True,
+                                              _GREEDY))
+                owners.append(i)
+            logits = self.runner.forward_logits(SchedulerOutput(items, len(items)))
+            tokens = logits.argmax(dim=-1).tolist()
+            for i, token in zip(owners, tokens):
+                proposals[i].append(token)
+            by_owner = dict(zip(owners, tokens))
+            last = [by_owner.get(i, t) for (i, _, _), t in zip(active, last)]
+        for i, r, seq in active:
+            seq.num_computed = r.num_tokens
+            seq.proposed = proposals[i]
+        return proposals
+
+    def free(self, request_id: str) -> None:
+        seq = self._seqs.pop(request_id, None)
+        if seq is not None:
+            self._free.extend(reversed(seq.blocks))
+
+    # ---- internals -----------------------------------------------------------------------
+
+    def _time_step(self) -> float:
+        """Seconds of one proposal step for one request (best of a few)."""
+        blocks = self._free[-1:]
+        self.runner.time_verify_step(1, blocks, repeats=2)  # first-call costs
+        return self.runner.time_verify_step(1, blocks)
+
+    @staticmethod
+    def _reuse_accepted(seq: _DraftSequence, history: list[int]) -> None:
+        """The proposals the target kept are in the cache already: skip them."""
+        n = seq.num_computed
+        kept = 0
+        for j, token in enumerate(seq.proposed[:-1]):  # the last one's KV was never written
+            if n + j >= len(history) - 1 or history[n + j] != token:
+                break
+            kept += 1
+        seq.num_computed = min(n + kept, len(history) - 1)
+        seq.proposed = []
+
+    def _reserve(self, seq: _DraftSequence, num_positions: int) -> bool:
+        need = -(-num_positions // self.block_size) - len(seq.blocks)
+        if need > len(self._free):
+            return False
+        for _ in range(need):
+            seq.blocks.append(self._free.pop())
+        return True
+
+    def _catch_up(self, active: list[tuple[int, Request, _DraftSequence]]) -> None:
+        """Write the draft KV of each request's history up to (not including) its last token,
+        in passes of at most the engine's token budget."""
+        todo = {r.request_id: seq.num_computed for _, r, seq in active}
+        while True:
+            items, used = [], 0
+            for _, r, seq in active:
+                start, end = todo[r.request_id], r.num_tokens - 1
+                take = min(end - start, self.budget - used)
+                if take <= 0:
+                    continue
+                items.append(ScheduledRequest(r.request_id,
+                                              r.all_token_ids[start:start + take], start,
+                                              seq.blocks, False, _GREEDY))
+                todo[r.request_id] = start + take
+                used += take
+            if not items:
+                return
+            self.runner.write_kv(SchedulerOutput(items, used))
