@@ -16,7 +16,7 @@ from functools import cache
 from importlib import resources
 from pathlib import Path
 
-WORKLOADS = ("random", "sharegpt", "shared-prefix", "long", "jsonl")
+WORKLOADS = ("random", "sharegpt", "shared-prefix", "long", "grounded", "jsonl")
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,9 @@ class WorkloadSpec:
     seed: int = 0
 
     def describe(self) -> str:
+        if self.name == "grounded":
+            return (f"grounded: {self.num_requests} requests, tasks {', '.join(GROUNDED_TASKS)} "
+                    f"in turn over the texts of bench/grounded.txt, seed {self.seed}")
         if self.name == "sharegpt":
             return (f"sharegpt-like: {self.num_requests} requests, {sharegpt_description()} "
                     f"(prompt lengths in words), seed {self.seed}")
@@ -82,6 +85,8 @@ def build_workload(spec: WorkloadSpec) -> list[BenchRequest]:
     n = spec.num_requests
     if spec.name == "jsonl":
         return _from_jsonl(spec)
+    if spec.name == "grounded":
+        return grounded_requests(rng, n)
     if spec.name == "sharegpt":
         prompts, outputs = sharegpt_lengths(rng, n)
         return [BenchRequest(_text(rng, p), p, o) for p, o in zip(prompts, outputs)]
@@ -138,3 +143,84 @@ def _words() -> tuple[str, ...]:
 def _text(rng: random.Random, n_words: int) -> str:
     words = _words()
     return " ".join(rng.choice(words) for _ in range(n_words))
+
+
+# ---- input-grounded tasks: the answer copies much of the prompt ---------------------------
+
+GROUNDED_TASKS = ("edit", "summarize", "answer", "code")
+
+
+@dataclass(frozen=True)
+class _Text:
+    kind: str  # passage | code
+    title: str
+    body: str
+    questions: tuple[str, ...]
+
+
+@cache
+def _grounded_texts() -> tuple[_Text, ...]:
+    raw = resources.files("llmserve.bench").joinpath("grounded.txt").read_text()
+    texts, head, lines = [], None, []
+
+    def close():
+        if head is not None:
+            kind, title = (x.strip() for x in head.split(":", 1))
+            body = [ln for ln in lines if not ln.startswith("Q: ")]
+            questions = tuple(ln[3:] for ln in lines if ln.startswith("Q: "))
+            texts.append(_Text(kind, title, "\n".join(body).strip("\n"), questions))
+
+    for line in raw.splitlines():
+        if line.startswith("=== "):
+            close()
+            head, lines = line[4:], []
+        elif head is not None and not line.startswith("#"):
+            lines.append(line)
+    close()
+    return tuple(texts)
+
+
+def _with_typos(rng: random.Random, text: str, count: int) -> str:
+    """Swap two neighbouring letters in ``count`` words of 5+ letters."""
+    words = text.split(" ")
+    candidates = [i for i, w in enumerate(words) if w.isalpha() and len(w) >= 5]
+    for i in rng.sample(candidates, min(count, len(candidates))):
+        w = words[i]
+        j = rng.randrange(1, len(w) - 2)
+        words[i] = w[:j] + w[j + 1] + w[j] + w[j + 2:]
+    return " ".join(words)
+
+
+def grounded_requests(rng: random.Random, n: int) -> list[BenchRequest]:
+    """Edit a passage (fix typos), summarize it, answer a question from it, rewrite code:
+    in turn, each over a text drawn at random from the shipped ones."""
+    passages = [t for t in _grounded_texts() if t.kind == "passage"]
+    code = [t for t in _grounded_texts() if t.kind == "code"]
+    out = []
+    for i in range(n):
+        task = GROUNDED_TASKS[i % len(GROUNDED_TASKS)]
+        if task == "code":
+            t = rng.choice(code)
+            action = rng.choice(["Add type hints and a docstring to", "Rename the variables "
+                                 "to clearer names in", "Add comments explaining each step "
+                                 "of"])
+            prompt = (f"{action} the following Python code. Reply with the complete "
+                      f"code only.\n\n```python\n{t.body}\n```")
+            max_tokens = 2 * len(t.body.split()) + 64
+        else:
+            t = rng.choice(passages)
+            if task == "edit":
+                prompt = ("Correct the spelling mistakes in the following text. Reply with "
+                          "the whole corrected text and nothing else.\n\n"
+                          + _with_typos(rng, t.body, 4))
+                max_tokens = int(1.5 * len(t.body.split())) + 32
+            elif task == "summarize":
+                prompt = f"Summarize the following text in three sentences.\n\n{t.body}"
+                max_tokens = 128
+            else:
+                prompt = ("Answer the question using only the text below; quote the "
+                          f"sentence that answers it.\n\n{t.body}\n\nQuestion: "
+                          f"{rng.choice(t.questions)}")
+                max_tokens = 96
+        out.append(BenchRequest(prompt, len(prompt.split()), max_tokens))
+    return out
