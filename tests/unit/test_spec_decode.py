@@ -103,6 +103,20 @@ def test_step_cost_interpolates_and_extrapolates():
     assert cost(2) == 1.5 and cost(4) == 4.0 and cost(7) == 10.0 and cost(1) == 1.0
     with pytest.raises(ValueError):
         StepCost([(1, 1.0)])
+    noisy = StepCost([(1, 1.0), (2, 3.0), (4, 2.0), (8, 5.0)])  # 4 timed low: noise
+    assert [noisy(n) for n in (2, 3, 4, 6)] == [3.0, 3.0, 3.0, 4.0]
+
+
+def test_a_costly_proposer_speculates_less():
+    """A draft model's proposal steps count: k drafts cost k of them on top of the step."""
+    cost = StepCost([(1, 0.015), (512, 0.015 + 511 * 0.003)])
+    kw = dict(num_sampling=1, num_tokens=1, budget=100, cost=cost)
+    assert plan_drafts([0.8], [4], **kw) == [4]
+    # A draft step of 4 ms (about a quarter of the target's): each draft now costs 7 ms and
+    # the third (emitted with p = 0.51) no longer pays: 2.44 tokens in 29 ms beat 2.95 in 36.
+    assert plan_drafts([0.8], [4], propose_seconds=0.004, **kw) == [2]
+    # As slow as the target: never worth it.
+    assert plan_drafts([0.8], [4], propose_seconds=0.015, **kw) == [0]
 
 
 # ---- the configuration ------------------------------------------------------------------

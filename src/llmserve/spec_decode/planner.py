@@ -18,19 +18,21 @@ so the step's cost grows by j times that with its longest proposal.
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections.abc import Sequence
 
 
 class StepCost:
     """Seconds of a forward pass by its number of tokens: measured points, linear in
-    between and beyond."""
+    between and beyond. A point below an earlier one (timing noise) is raised to it: a
+    larger step never costs less."""
 
     def __init__(self, points: Sequence[tuple[int, float]]) -> None:
         points = sorted(points)
         if len(points) < 2 or any(n < 1 or t <= 0 for n, t in points):
             raise ValueError("a step cost needs >= 2 points of (tokens >= 1, seconds > 0)")
         self.tokens = [n for n, _ in points]
-        self.seconds = [t for _, t in points]
+        self.seconds = list(itertools.accumulate((t for _, t in points), max))
 
     def __call__(self, num_tokens: int) -> float:
         ns, ts = self.tokens, self.seconds
