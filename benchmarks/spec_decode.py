@@ -1,9 +1,10 @@
 """Speculative decoding on and off, through the server, at several concurrency levels.
 
 Two `llmserve serve` processes with the same arguments, one with --speculative-config, are
-started alike and kept up side by side (an idle server costs no CPU); each level runs on the
-server without speculation, then on the one with it, the same requests on both (a fresh
-seed per level), each after POST /reset_prefix_cache. Printed per workload and level:
+started alike and kept up side by side (an idle server costs no CPU); each level runs the
+same requests on both (a fresh seed per level), each run after POST /reset_prefix_cache,
+--repeats times, alternating which server goes first (off, on, then on, off) so that a
+drift of the machine's speed cancels; the ratio is of all repeats' tokens over their time. Printed per workload and level:
 output tokens/s off and on and their ratio, TPOT p50, and from the server's counters the
 acceptance rate (accepted / draft tokens) and the mean accepted length (tokens emitted per
 verifying step: 1 + accepted / drafts).
@@ -22,6 +23,7 @@ import json
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -89,6 +91,30 @@ def run_level(url: str, workload: str, concurrency: int, num: int, seed: int,
     return result
 
 
+def summarize(workload: str, c: int, n: int, runs: dict[str, list[dict]]) -> dict:
+    def rate(rs):  # all repeats together: output tokens over time
+        return sum(r["output_tokens"] for r in rs) / sum(r["duration_s"] for r in rs)
+
+    def p50(rs):
+        return 1e3 * statistics.median(r["tpot"]["p50"] or 0 for r in rs)
+
+    spec = {k: sum(r["spec"].get(k, 0) for r in runs["on"])
+            for k in ("drafts", "draft_tokens", "accepted_tokens")}
+    drafts, tokens, acc = spec["drafts"], spec["draft_tokens"], spec["accepted_tokens"]
+    off, on = rate(runs["off"]), rate(runs["on"])
+    return dict(
+        workload=workload, concurrency=c, requests=n, repeats=len(runs["on"]),
+        off_tok_s=off, on_tok_s=on, ratio=on / off,
+        ratio_per_repeat=[a["output_throughput"] / b["output_throughput"]
+                          for a, b in zip(runs["on"], runs["off"])],
+        off_tpot_p50_ms=p50(runs["off"]), on_tpot_p50_ms=p50(runs["on"]),
+        output_tokens=[r["output_tokens"] for r in runs["off"] + runs["on"]],
+        errors=[r["errors"] for r in runs["off"] + runs["on"] if r["errors"]],
+        drafts=drafts, draft_tokens=tokens, accepted_tokens=acc,
+        acceptance_rate=acc / tokens if tokens else None,
+        mean_accepted_length=1 + acc / drafts if drafts else None)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m-instruct")
@@ -100,6 +126,8 @@ def main() -> None:
                    help="requests per level (comma-separated, one per level)")
     p.add_argument("--random-input-len", type=int, default=256)
     p.add_argument("--random-output-len", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=2,
+                   help="runs per server and level, alternating which server goes first")
     p.add_argument("--output", default=None)
     args = p.parse_args()
     levels = [int(x) for x in args.levels.split(",")]
@@ -112,40 +140,30 @@ def main() -> None:
         for workload in args.workloads.split(","):
             for i, (c, n) in enumerate(zip(levels, counts)):
                 seed = 1000 * i + 17
-                r_off = run_level(off_url, workload, c, n, seed, args,
-                                  os.path.join(log_dir, f"{workload}-{c}-off.json"))
-                r_on = run_level(on_url, workload, c, n, seed, args,
-                                 os.path.join(log_dir, f"{workload}-{c}-on.json"))
-                s = r_on["spec"]
-                drafts, tokens, acc = s.get("drafts", 0), s.get("draft_tokens", 0), \
-                    s.get("accepted_tokens", 0)
-                row = dict(
-                    workload=workload, concurrency=c, requests=n,
-                    off_tok_s=r_off["output_throughput"], on_tok_s=r_on["output_throughput"],
-                    ratio=r_on["output_throughput"] / r_off["output_throughput"],
-                    off_tpot_p50_ms=1e3 * (r_off["tpot"]["p50"] or 0),
-                    on_tpot_p50_ms=1e3 * (r_on["tpot"]["p50"] or 0),
-                    output_tokens=(r_off["output_tokens"], r_on["output_tokens"]),
-                    errors=(r_off["errors"], r_on["errors"]),
-                    drafts=drafts, draft_tokens=tokens, accepted_tokens=acc,
-                    acceptance_rate=acc / tokens if tokens else None,
-                    mean_accepted_length=1 + acc / drafts if drafts else None)
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+                runs: dict[str, list[dict]] = {"off": [], "on": []}
+                for rep in range(args.repeats):  # off, on, then on, off: drift cancels
+                    for name in (("off", "on") if rep % 2 == 0 else ("on", "off")):
+                        url = off_url if name == "off" else on_url
+                        runs[name].append(run_level(
+                            url, workload, c, n, seed, args,
+                            os.path.join(log_dir, f"{workload}-{c}-{name}-{rep}.json")))
+                rows.append(summarize(workload, c, n, runs))
+                print(json.dumps(rows[-1]), flush=True)
     finally:
         for proc in (off, on):
             proc.send_signal(signal.SIGTERM)
             proc.wait(60)
     print(f"\nspeculative config: {args.speculative_config}; server args: "
           f"{args.server_args or '(defaults)'}; logs in {log_dir}")
-    print("| workload | streams | requests | off tok/s | on tok/s | on/off | TPOT p50 off/on "
-          "(ms) | acceptance | mean accepted length |")
+    print("| workload | streams | requests x repeats | off tok/s | on tok/s | on/off (per "
+          "repeat) | TPOT p50 off/on (ms) | acceptance | mean accepted length |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         acc = "-" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.0%}"
         mal = "-" if r["mean_accepted_length"] is None else f"{r['mean_accepted_length']:.2f}"
-        print(f"| {r['workload']} | {r['concurrency']} | {r['requests']} | "
-              f"{r['off_tok_s']:.1f} | {r['on_tok_s']:.1f} | {r['ratio']:.2f}x | "
+        each = ", ".join(f"{x:.2f}" for x in r["ratio_per_repeat"])
+        print(f"| {r['workload']} | {r['concurrency']} | {r['requests']} x {r['repeats']} | "
+              f"{r['off_tok_s']:.1f} | {r['on_tok_s']:.1f} | {r['ratio']:.2f}x ({each}) | "
               f"{r['off_tpot_p50_ms']:.1f} / {r['on_tpot_p50_ms']:.1f} | {acc} | {mal} |")
     if args.output:
         with open(args.output, "w") as f:

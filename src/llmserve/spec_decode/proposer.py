@@ -68,19 +68,24 @@ class Speculator:
                        budget=self.budget - base, cost=self.cost,
                        propose_seconds=self.proposer.step_seconds)
         acceptance = [r.acceptance_rate for r in decoding]
-        if self.proposer.cheap:
-            proposals = self.proposer.propose(decoding, limits)
-            counts = plan_drafts(acceptance, [len(p) for p in proposals], **plan_kw)
+        # Planned as if every proposal were found: under load nothing is asked for at all.
+        counts = plan_drafts(acceptance, limits, **plan_kw)
+        chosen = [i for i, c in enumerate(counts) if c]
+        proposals: list[list[int]] = [[] for _ in decoding]
+        if chosen and self.proposer.cheap:
+            # Lookups may find fewer tokens than planned: plan again over what was found.
+            found = self.proposer.propose([decoding[i] for i in chosen],
+                                          [limits[i] for i in chosen])
+            lengths = [0] * len(decoding)
+            for i, p in zip(chosen, found):
+                proposals[i], lengths[i] = p, len(p)
+            counts = plan_drafts(acceptance, lengths, **plan_kw)
             proposals = [p[:c] for p, c in zip(proposals, counts)]
-        else:
-            counts = plan_drafts(acceptance, limits, **plan_kw)
-            chosen = [i for i, c in enumerate(counts) if c]
-            proposals = [[] for _ in decoding]
-            if chosen:
-                found = self.proposer.propose([decoding[i] for i in chosen],
-                                              [counts[i] for i in chosen])
-                for i, p in zip(chosen, found):
-                    proposals[i] = p[:counts[i]]
+        elif chosen:
+            found = self.proposer.propose([decoding[i] for i in chosen],
+                                          [counts[i] for i in chosen])
+            for i, p in zip(chosen, found):
+                proposals[i] = p[:counts[i]]
         total = 0
         for r, p in zip(decoding, proposals):
             r.draft_token_ids = p
