@@ -4,10 +4,10 @@ Two `llmserve serve` processes with the same arguments, one with --speculative-c
 started alike and kept up side by side (an idle server costs no CPU); each level runs the
 same requests on both (a fresh seed per level), each run after POST /reset_prefix_cache,
 --repeats times, alternating which server goes first (off, on, then on, off) so that a
-drift of the machine's speed cancels; the ratio is of all repeats' tokens over their time. Printed per workload and level:
-output tokens/s off and on and their ratio, TPOT p50, and from the server's counters the
-acceptance rate (accepted / draft tokens) and the mean accepted length (tokens emitted per
-verifying step: 1 + accepted / drafts).
+drift of the machine's speed cancels; the ratio is of all repeats' tokens over their time.
+Printed per workload and level: output tokens/s off and on and their ratio, TPOT p50, and
+from the server's counters the acceptance rate (accepted / draft tokens) and the mean
+accepted length (tokens emitted per verifying step: 1 + accepted / drafts).
 
     .venv/bin/python benchmarks/spec_decode.py --output benchmarks/results/spec_decode.json
 

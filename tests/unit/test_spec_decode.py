@@ -107,6 +107,16 @@ def test_step_cost_interpolates_and_extrapolates():
     assert [noisy(n) for n in (2, 3, 4, 6)] == [3.0, 3.0, 3.0, 4.0]
 
 
+def test_a_margin_keeps_marginal_plans_off():
+    cost = StepCost([(1, 0.015), (512, 0.015 + 511 * 0.003)])
+    kw = dict(num_sampling=1, num_tokens=1, budget=100, cost=cost)
+    # 0.3 acceptance: one draft gives 1.3 tokens in 18 ms against 1 in 15 (+8.3%).
+    assert plan_drafts([0.3], [4], **kw) == [1]
+    assert plan_drafts([0.3], [4], min_gain=1.08, **kw) == [1]
+    assert plan_drafts([0.3], [4], min_gain=1.09, **kw) == [0]
+    assert plan_drafts([0.8], [4], min_gain=1.5, **kw) == [4]  # 3.36 in 27 ms: +87%
+
+
 def test_a_costly_proposer_speculates_less():
     """A draft model's proposal steps count: k drafts cost k of them on top of the step."""
     cost = StepCost([(1, 0.015), (512, 0.015 + 511 * 0.003)])

@@ -47,7 +47,8 @@ class StepCost:
 
 def plan_drafts(acceptance: Sequence[float], max_drafts: Sequence[int], *,
                 num_sampling: int, num_tokens: int, budget: int,
-                cost: StepCost, propose_seconds: float = 0.0) -> list[int]:
+                cost: StepCost, propose_seconds: float = 0.0,
+                min_gain: float = 1.0) -> list[int]:
     """Draft tokens per candidate request.
 
     acceptance[r]: the request's acceptance rate per draft token, in [0, 1).
@@ -55,12 +56,14 @@ def plan_drafts(acceptance: Sequence[float], max_drafts: Sequence[int], *,
     num_sampling: requests that sample this step (each emits one token without drafts).
     num_tokens: tokens in the step without drafts; budget: tokens the step may add.
     propose_seconds: cost of one proposal step (0 for history lookups).
+    min_gain: speculate only if the best plan's tokens per second exceed the plan without
+        drafts by this factor (a margin for what the cost model does not see).
     """
     candidates = sorted(
         ((a ** j, j, r) for r, (a, k) in enumerate(zip(acceptance, max_drafts))
          for j in range(1, k + 1)),
         key=lambda c: (-c[0], c[1], c[2]))[:max(budget, 0)]
-    best_rate = num_sampling / cost(num_tokens)
+    plain_rate = best_rate = num_sampling / cost(num_tokens)
     best_count, expected, longest = 0, float(num_sampling), 0
     for d, (q, j, _) in enumerate(candidates, start=1):
         expected += q
@@ -69,6 +72,8 @@ def plan_drafts(acceptance: Sequence[float], max_drafts: Sequence[int], *,
         if rate > best_rate * (1 + 1e-9):
             best_rate, best_count = rate, d
     counts = [0] * len(acceptance)
+    if best_rate < plain_rate * min_gain:
+        return counts
     for _, _, r in candidates[:best_count]:
         counts[r] += 1
     return counts

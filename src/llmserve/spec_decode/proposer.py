@@ -39,6 +39,11 @@ def build_proposer(config: SpeculativeConfig, **draft_kwargs) -> Proposer:
 
 
 class Speculator:
+    # Speculate only for a predicted gain of 5% or more: the step costs are measured at
+    # start-up with short contexts and greedy rows, and miss the per-row work of long
+    # contexts and sampling parameters; a marginal prediction must not become a loss.
+    MIN_GAIN = 1.05
+
     def __init__(self, config: SpeculativeConfig, proposer: Proposer, cost: StepCost,
                  max_num_batched_tokens: int) -> None:
         self.config = config
@@ -66,7 +71,7 @@ class Speculator:
         limits = [max(0, min(k, r.max_tokens - r.num_output_tokens - 1)) for r in decoding]
         plan_kw = dict(num_sampling=len(decoding), num_tokens=base,
                        budget=self.budget - base, cost=self.cost,
-                       propose_seconds=self.proposer.step_seconds)
+                       propose_seconds=self.proposer.step_seconds, min_gain=self.MIN_GAIN)
         acceptance = [r.acceptance_rate for r in decoding]
         # Planned as if every proposal were found: under load nothing is asked for at all.
         counts = plan_drafts(acceptance, limits, **plan_kw)
