@@ -8,8 +8,9 @@ when the request is added to the engine.
 
 from __future__ import annotations
 
+import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -18,6 +19,54 @@ MAX_LOGPROBS = 20
 MAX_N = 128
 MAX_TOP_K = 2**31 - 1  # larger means the whole vocabulary anyway
 _GREEDY_EPS = 1e-5
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """Constrain the output to a language (vLLM's names; exactly one of them).
+
+    json: a JSON schema (a dict, or its JSON text) the output must satisfy.
+    json_object: any JSON object.
+    regex: a regular expression the whole output must match.
+    choice: the output is exactly one of these strings.
+    grammar: a context-free grammar, in Lark syntax or llama.cpp's GBNF.
+
+    The grammar engine (llguidance, structured_output/) enforces it token by token; a
+    schema or grammar it cannot enforce is refused when the request is made.
+    """
+
+    json: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.json is not None and not isinstance(self.json, str):
+            try:  # kept as text: the parameters stay immutable and cheap to send
+                text = json.dumps(self.json, ensure_ascii=False)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"structured_outputs.json must be a JSON schema: {e}") from None
+            object.__setattr__(self, "json", text)
+        if self.choice is not None:
+            if (isinstance(self.choice, str) or not isinstance(self.choice, Sequence)
+                    or not self.choice
+                    or not all(isinstance(c, str) and c for c in self.choice)):
+                raise ValueError("structured_outputs.choice must be a non-empty list of "
+                                 "non-empty strings")
+            object.__setattr__(self, "choice", tuple(self.choice))
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string")
+        given = self.kinds()
+        if len(given) != 1:
+            raise ValueError("structured_outputs takes exactly one of json, json_object, "
+                             f"regex, choice, grammar; got {', '.join(given) or 'none'}")
+
+    def kinds(self) -> list[str]:
+        return [name for name in ("json", "json_object", "regex", "choice", "grammar")
+                if getattr(self, name) not in (None, False)]
 
 
 @dataclass(frozen=True)
@@ -44,6 +93,7 @@ class SamplingParams:
     logit_bias: token id -> bias added to its logit. [-100, 100]
     skip_special_tokens: leave special tokens out of the text.
     include_stop_str_in_output: keep the matched stop string at the end of the text.
+    structured_outputs: constrain the output to a JSON schema, regex, choice or grammar.
     """
 
     n: int = 1
@@ -65,6 +115,7 @@ class SamplingParams:
     logit_bias: Mapping[int, float] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         stop = self.stop
@@ -113,6 +164,12 @@ class SamplingParams:
             if tok < 0:
                 _fail("logit_bias", f"token ids must be non-negative, got {tok}")
             _float_in(f"logit_bias[{tok}]", bias, -100.0, 100.0)
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                _fail("structured_outputs", "must be a StructuredOutputsParams")
+            if self.min_tokens:
+                _fail("min_tokens", "cannot be combined with structured outputs: the grammar "
+                                    "decides where the output may end")
 
     @property
     def greedy(self) -> bool:

@@ -20,6 +20,7 @@ from llmserve.models.loader import LoadedModel, load_model
 from llmserve.runner import ModelRunner
 from llmserve.sampling_params import SamplingParams
 from llmserve.scheduler import Scheduler, SchedulerStats
+from llmserve.structured_output import GrammarBackend
 
 logger = get_logger(__name__)
 
@@ -59,6 +60,9 @@ class EngineCore:
                                   kv_cache_dtype=kv_dtype,
                                   seed=config.seed, eos_token_ids=self.eos_token_ids)
         self.kv_cache_seconds = time.perf_counter() - start  # allocating the KV tensors
+        self.runner.grammar = GrammarBackend(self.tokenizer, arch.vocab_size,
+                                             self.eos_token_ids)
+        self.runner.grammar.warm_up()  # llguidance's view of the vocabulary, in background
         self.speculator = None
         if config.speculative is not None:
             self.speculator = self._build_speculator(config)

@@ -27,7 +27,7 @@ from llmserve.attention.backend import BatchLayout
 from llmserve.attention.kv_format import PagedKVCache
 from llmserve.models.arch_config import ArchConfig
 from llmserve.sample import Sampler
-from llmserve.sample.ops import topk_logprobs
+from llmserve.sample.ops import apply_token_bitmask, topk_logprobs
 from llmserve.sample.sampler import SamplingRow
 from llmserve.scheduler.output import (
     ModelRunnerOutput,
@@ -35,6 +35,7 @@ from llmserve.scheduler.output import (
     SchedulerOutput,
     TokenLogprobs,
 )
+from llmserve.structured_output import GrammarBackend
 
 
 class ModelRunner:
@@ -53,6 +54,8 @@ class ModelRunner:
         ]
         self.sampler = Sampler()
         self.eos_token_ids = eos_token_ids
+        # Masks of requests with structured outputs (set by the engine; none for drafts).
+        self.grammar: GrammarBackend | None = None
         self._seeds: dict[str, int] = {}  # per request: the base of its tokens' seeds
         self._seed_source = torch.Generator().manual_seed(seed)
 
@@ -60,16 +63,27 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         for rid in sched.finished_req_ids:
             self._seeds.pop(rid, None)
+        if self.grammar is not None:
+            for rid in sched.finished_req_ids:
+                self.grammar.free(rid)
         if sched.is_empty:
             return ModelRunnerOutput()
+        sampling = [(i, s) for i, s in enumerate(sched.scheduled) if s.sample]
+        constrained = [s for _, s in sampling if s.sampling_params.structured_outputs]
+        masks = None
+        if constrained:
+            assert self.grammar is not None, "structured outputs need a GrammarBackend"
+            masks = self.grammar.submit(constrained)  # computed while the model runs
         hidden, ends = self._forward(sched)
         out = ModelRunnerOutput()
-        sampling = [(i, s) for i, s in enumerate(sched.scheduled) if s.sample]
         if sampling:
             # k + 1 rows per request with k drafts: its last known token, then each draft.
             row_ids = [int(ends[i]) - s.num_draft_tokens + j
                        for i, s in sampling for j in range(s.num_draft_tokens + 1)]
             logits = self.model.compute_logits(hidden[row_ids])
+            if masks is not None:
+                logits = apply_token_bitmask(logits, self._constrained_rows(sampling),
+                                             masks.result())
             rows = [self._sampling_row(s, j) for _, s in sampling
                     for j in range(s.num_draft_tokens + 1)]
             result = self.sampler(logits, rows)
@@ -79,6 +93,8 @@ class ModelRunner:
                 samples = result.token_ids[first:first + k + 1]
                 emitted = accepted_prefix(samples, s.draft_token_ids)
                 out.sampled_token_ids[s.request_id] = emitted
+                if s.sampling_params.structured_outputs is not None:
+                    self.grammar.accept(s.request_id, emitted)
                 if s.sampling_params.logprobs is not None:
                     out.logprobs[s.request_id] = result.logprobs[first:first + len(emitted)]
                 first += k + 1
@@ -126,6 +142,16 @@ class ModelRunner:
         hidden = self.model(input_ids, layout.positions, ctx)
         ends = torch.cumsum(torch.tensor(layout.query_lens), 0) - 1
         return hidden, ends.to(hidden.device)
+
+    @staticmethod
+    def _constrained_rows(sampling: list[tuple[int, ScheduledRequest]]) -> torch.Tensor:
+        """Logits rows of the requests with structured outputs, in order."""
+        rows, first = [], 0
+        for _, s in sampling:
+            if s.sampling_params.structured_outputs is not None:
+                rows.extend(range(first, first + s.num_draft_tokens + 1))
+            first += s.num_draft_tokens + 1
+        return torch.tensor(rows, dtype=torch.int64)
 
     def _sampling_row(self, s: ScheduledRequest, j: int) -> SamplingRow:
         """Row ``j`` of a request's k + 1: the drafts before it count as generated."""

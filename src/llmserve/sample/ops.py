@@ -69,6 +69,22 @@ def mask_tokens(logits: torch.Tensor, rows: torch.Tensor,
                             torch.tensor(float("-inf"), device=logits.device))
 
 
+def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor,
+                        bitmask: torch.Tensor) -> torch.Tensor:
+    """Keep, in row ``rows[i]``, only the tokens whose bit is set in ``bitmask[i]`` (int32
+    [R, W]: token t is bit t % 32 of word t // 32); every other logit becomes -inf."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask.unsqueeze(2) >> shifts) & 1  # [R, W, 32]
+    allowed = bits.reshape(bitmask.shape[0], -1).bool()
+    vocab = logits.shape[1]
+    if allowed.shape[1] < vocab:  # the mask does not reach the last (padding) rows
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
+    allowed = allowed[:, :vocab].to(logits.device)
+    out = logits.clone()
+    out[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+    return out
+
+
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor,
                              penalty: torch.Tensor) -> torch.Tensor:
     """For tokens seen in the prompt or output (``seen``: [N, V] bool), divide positive

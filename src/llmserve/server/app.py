@@ -22,7 +22,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from llmserve.config import ServerConfig
 from llmserve.engine.async_llm import AsyncLLM, EngineBusyError, EngineUnavailableError
-from llmserve.server.errors import APIError, bad_request, error_body
+from llmserve.sampling_params import StructuredOutputsParams
+from llmserve.server.errors import APIError, bad_request, error_body, param_of
 from llmserve.server.http_guard import HTTPGuard
 from llmserve.server.metrics import ServerMetrics
 from llmserve.server.protocol import (
@@ -41,6 +42,7 @@ from llmserve.server.serving import (
     validate_prompts,
 )
 from llmserve.server.tokenizing import TokenizerPool
+from llmserve.server.tools import prompt_messages, tool_call_grammar
 from llmserve.tokenizer.chat_template import ChatTemplateError
 
 # Paths open without the API key (probes and scrapers).
@@ -113,12 +115,17 @@ def build_app(engine: AsyncLLM, config: ServerConfig, metrics: ServerMetrics,
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
         param = ".".join(loc) or None
         msg = str(first.get("msg", "invalid value"))
+        if first.get("type") == "extra_forbidden":  # OpenAI's own words for a typo
+            where = ".".join(loc[:-1])
+            message = f"Unrecognized request argument supplied: {loc[-1]}" + (
+                f" (in {where})" if where else "")
+            return bad_request(message, param=param, code="unknown_parameter").response()
         if first.get("type") == "value_error":
             msg = msg.removeprefix("Value error, ")
         elif isinstance(first.get("input"), int | float | str | bool | type(None)):
             msg = f"{msg}, got {json.dumps(first['input'])[:100]}"
         message = f"{param}: {msg}" if param else msg
-        return bad_request(message, param=param).response()
+        return bad_request(message, param=param or param_of(msg)).response()
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
@@ -214,18 +221,28 @@ def build_app(engine: AsyncLLM, config: ServerConfig, metrics: ServerMetrics,
     async def chat(req: ChatCompletionRequest, raw: Request) -> Response:
         serving()
         check_model(req.model)
-        if req.tools or req.tool_choice not in (None, "none"):
-            raise bad_request("tools and tool_choice are not supported", param="tools")
-        if req.response_format and req.response_format.get("type") not in (None, "text"):
-            raise bad_request("response_format other than 'text' is not supported",
-                              param="response_format")
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs requires logprobs: true", param="top_logprobs")
-        params = make_params(req.sampling_params)
-        ids = await _encode_chat(engine, tokenizers, message_dicts(req.messages),
-                                 req.add_generation_prompt)
+        tools, mode = make_params(req.tool_setup)
+        constraint = make_params(req.constraint)
+        if mode not in (None, "auto"):  # required, or a named function: by grammar
+            if constraint is not None:
+                raise bad_request("tool_choice requires a tool call; it cannot be combined "
+                                  "with response_format or structured_outputs",
+                                  param="tool_choice")
+            constraint = StructuredOutputsParams(grammar=tool_call_grammar(
+                tools, None if mode == "required" else mode,
+                req.parallel_tool_calls and mode == "required"))
+        params = make_params(lambda: req.sampling_params(constraint))
+        messages, variables = prompt_messages(message_dicts(req.messages),
+                                              tools if mode else None,
+                                              engine.tokenizer.chat_template)
+        ids = await _encode_chat(engine, tokenizers, messages, req.add_generation_prompt,
+                                 variables)
         job = Job(engine.new_request_id("chatcmpl"), "chat", model_name, [(None, ids)], params,
-                  req.priority, bool(req.stream_options and req.stream_options.include_usage))
+                  req.priority, bool(req.stream_options and req.stream_options.include_usage),
+                  tool_names={t["function"]["name"] for t in tools} if mode else None,
+                  legacy_functions=req.legacy_functions)
         return await _run(job, req.stream, raw)
 
     async def _run(job: Job, streaming: bool, raw: Request) -> Response:
@@ -287,10 +304,11 @@ async def _encode(engine: AsyncLLM, tokenizers: TokenizerPool, text: str,
 
 
 async def _encode_chat(engine: AsyncLLM, tokenizers: TokenizerPool,
-                       messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
-    _check_length(engine, sum(len(m["content"]) for m in messages), "messages")
+                       messages: list[dict[str, Any]], add_generation_prompt: bool,
+                       variables: dict[str, Any] | None = None) -> list[int]:
+    _check_length(engine, sum(len(m.get("content") or "") for m in messages), "messages")
     try:
-        return await tokenizers.encode_chat(messages, add_generation_prompt)
+        return await tokenizers.encode_chat(messages, add_generation_prompt, variables or {})
     except (ChatTemplateError, ValueError) as e:
         raise bad_request(str(e), param="messages") from None
 

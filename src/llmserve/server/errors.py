@@ -42,5 +42,14 @@ def param_of(message: str) -> str | None:
 
     from llmserve.sampling_params import SamplingParams
 
-    name = message.split(" ", 1)[0].split("[", 1)[0]
-    return name if name in {f.name for f in fields(SamplingParams)} else None
+    name = message.split(" ", 1)[0].split("[", 1)[0].rstrip(":")
+    known = {f.name for f in fields(SamplingParams)} | _REQUEST_FIELDS
+    return name if name.split(".", 1)[0] in known else None
+
+
+# Request fields whose messages start with their (dotted) name, as SamplingParams' do.
+_REQUEST_FIELDS = frozenset({"response_format", "guided_json", "guided_regex", "guided_choice",
+                             "guided_grammar", "tool_choice", "function_call", "tools",
+                             "functions", "reasoning_effort", "audio", "verbosity",
+                             "web_search_options", "modalities", "guided_decoding_backend",
+                             "guided_whitespace_pattern"})

@@ -1,5 +1,10 @@
 """OpenAI-compatible request schemas (plus vLLM's sampling extras) and their translation
-into SamplingParams. Unknown fields are ignored, as OpenAI's API does.
+into SamplingParams.
+
+Nothing is silently ignored: every field is implemented, or accepted and documented as
+having no effect here (``NO_EFFECT``), or refused with a 400 that names it; an unknown
+field is refused the way OpenAI's API refuses it ("Unrecognized request argument
+supplied: max_token"). README.md has the table.
 
 Everything a client sends is checked here, at the edge, so that nothing can raise deeper
 in: integers within the ranges the engine and its messages carry (64-bit at most), text
@@ -8,12 +13,14 @@ that is valid Unicode without NUL characters, and chat content parts of type "te
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
-from llmserve.sampling_params import SamplingParams
+from llmserve.sampling_params import SamplingParams, StructuredOutputsParams
+from llmserve.structured_output import validate_structured
 
 INT32_MAX = 2**31 - 1
 
@@ -52,12 +59,72 @@ Text = Annotated[str, AfterValidator(_valid_text)]
 Priority = Annotated[int, Field(ge=-INT32_MAX, le=INT32_MAX)]
 
 
-class StreamOptions(BaseModel):
+# Accepted and without effect here, and why (README's table says the same).
+NO_EFFECT = {
+    "user": "an end-user id for the provider's abuse monitoring; nothing is stored",
+    "safety_identifier": "the same as user",
+    "store": "this server stores no completions",
+    "metadata": "tags for stored completions; nothing is stored",
+    "service_tier": "one tier of service here",
+    "prompt_cache_key": "prefix caching is automatic and shared by all requests",
+    "prediction": "a latency hint (predicted output); the output is the same without it",
+    "guided_decoding_backend": "llguidance is the one grammar engine",
+}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Strict):
     include_usage: bool = False
+    include_obfuscation: bool | None = None  # no effect: nothing pads the stream here
 
 
-class _SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class ResponseFormat(_Strict):
+    type: str
+    json_schema: dict[str, Any] | None = None
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if self.type == "json_schema":
+            spec = self.json_schema
+            if spec is None:
+                raise ValueError("response_format.json_schema is required with type "
+                                 "'json_schema' ({\"name\": ..., \"schema\": {...}})")
+            unknown = set(spec) - {"name", "schema", "strict", "description"}
+            if unknown:
+                raise ValueError(f"response_format.json_schema: unrecognized field "
+                                 f"{sorted(unknown)[0]!r} (allowed: name, schema, strict, "
+                                 "description)")
+            schema = spec.get("schema")
+            if schema is None:
+                return StructuredOutputsParams(json_object=True)
+            return StructuredOutputsParams(json=schema)
+        raise ValueError(f"response_format.type {self.type!r} is not supported (allowed: "
+                         "'text', 'json_object', 'json_schema')")
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's ``structured_outputs`` object."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def constraint(self) -> StructuredOutputsParams:
+        return StructuredOutputsParams(json=self.json_, regex=self.regex,
+                                       choice=tuple(self.choice) if self.choice else None,
+                                       grammar=self.grammar,
+                                       json_object=bool(self.json_object))
+
+
+class _SamplingFields(_Strict):
 
     model: str | None = None
     n: int = 1
@@ -70,7 +137,14 @@ class _SamplingFields(BaseModel):
     logit_bias: dict[str, float] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
+    # accepted, no effect (NO_EFFECT says why)
     user: str | None = None
+    safety_identifier: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
     # vLLM's extras
     top_k: int | None = None
     min_p: float | None = None
@@ -81,6 +155,56 @@ class _SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: Priority = 0
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
+
+    @model_validator(mode="after")
+    def _check_guided(self) -> _SamplingFields:
+        if self.guided_decoding_backend not in (None, "auto", "llguidance", "guidance"):
+            raise ValueError(f"guided_decoding_backend {self.guided_decoding_backend!r} is not "
+                             "available: this server decodes with llguidance "
+                             "(allowed: 'auto', 'llguidance')")
+        if self.guided_whitespace_pattern is not None:
+            raise ValueError("guided_whitespace_pattern is not supported: JSON is generated "
+                             "compact, with ', ' and ': ' as separators")
+        return self
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        """The output constraint asked for, from whichever of response_format,
+        structured_outputs or the guided_* fields carries it (at most one may)."""
+        found: list[tuple[str, StructuredOutputsParams]] = []
+        if self.response_format is not None:
+            c = self.response_format.constraint()
+            if c is not None:
+                found.append(("response_format", c))
+        if self.structured_outputs is not None:
+            found.append(("structured_outputs", self.structured_outputs.constraint()))
+        guided: dict[str, StructuredOutputsParams] = {}
+        for name, kind in (("guided_json", "json"), ("guided_regex", "regex"),
+                           ("guided_choice", "choice"), ("guided_grammar", "grammar")):
+            value = getattr(self, name)
+            if value is not None:
+                if kind == "choice":
+                    value = tuple(value)
+                guided[name] = StructuredOutputsParams(**{kind: value})
+        found.extend(guided.items())
+        if len(found) > 1:
+            raise ValueError(f"{found[0][0]} and {found[1][0]} both constrain the output: "
+                             "send one")
+        if not found:
+            return None
+        source, constraint = found[0]
+        if source == "response_format" and constraint.json is not None:
+            source = "response_format.json_schema.schema"
+        elif source == "structured_outputs":
+            source = f"structured_outputs.{constraint.kinds()[0]}"
+        validate_structured(constraint, source)  # a 400 naming the field and the keyword
+        return constraint
 
     def _sampling_kwargs(self) -> dict[str, Any]:
         kw: dict[str, Any] = dict(
@@ -109,7 +233,8 @@ class CompletionRequest(_SamplingFields):
 
     def sampling_params(self) -> SamplingParams:
         return SamplingParams(max_tokens=self.max_tokens, logprobs=self.logprobs,
-                              prompt_logprobs=self.prompt_logprobs, **self._sampling_kwargs())
+                              prompt_logprobs=self.prompt_logprobs,
+                              structured_outputs=self.constraint(), **self._sampling_kwargs())
 
 
 def _valid_content(content: str | list[dict[str, Any]] | None
@@ -120,8 +245,8 @@ def _valid_content(content: str | list[dict[str, Any]] | None
     for i, part in enumerate(content):
         kind = part.get("type")
         if kind != "text":
-            raise ValueError(f"content part {i} has type {kind!r}: this model reads text only "
-                             "(parts of type 'text')")
+            raise ValueError(f"content part {i} has type {kind!r}: this model accepts text "
+                             "only (parts of type 'text')")
         text = part.get("text")
         if not isinstance(text, str):
             raise ValueError(f"content part {i}: 'text' must be a string, got "
@@ -130,12 +255,25 @@ def _valid_content(content: str | list[dict[str, Any]] | None
     return content
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class FunctionCall(_Strict):
+    name: Text
+    arguments: str | dict[str, Any] = "{}"
 
+
+class ToolCallItem(_Strict):
+    id: str | None = None
+    type: str = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_Strict):
     role: Text
     content: Annotated[str | list[dict[str, Any]] | None, AfterValidator(_valid_content)] = None
     name: Text | None = None
+    tool_calls: list[ToolCallItem] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool's answer: to which call
+    function_call: FunctionCall | None = None  # legacy: an assistant's one call
+    refusal: str | None = None  # no effect: an assistant's earlier refusal text
 
     def text(self) -> str:
         """The message's text: a string, its text parts joined, or empty."""
@@ -145,8 +283,60 @@ class ChatMessage(BaseModel):
 
 
 def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """What the chat template sees: role and text of each message."""
-    return [{"role": m.role, "content": m.text()} for m in messages]
+    """What the chat template sees: role and text of each message, an assistant's tool
+    calls (legacy function_call included) and a tool answer's call id."""
+    out = []
+    for m in messages:
+        d: dict[str, Any] = {"role": "tool" if m.role == "function" else m.role,
+                             "content": m.text()}
+        calls = list(m.tool_calls or [])
+        if m.function_call is not None:
+            calls.append(ToolCallItem(function=m.function_call))
+        if calls:
+            d["tool_calls"] = [c.model_dump(exclude_none=True) for c in calls]
+        if m.tool_call_id is not None:
+            d["tool_call_id"] = m.tool_call_id
+        if m.name is not None:
+            d["name"] = m.name
+        out.append(d)
+    return out
+
+
+_FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+class FunctionDefinition(_Strict):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # enforced either way when the grammar applies
+
+    @model_validator(mode="after")
+    def _check_name(self) -> FunctionDefinition:
+        if not _FUNCTION_NAME.match(self.name):
+            raise ValueError(f"function name {self.name!r} must be 1-64 letters, digits, "
+                             "underscores or dashes")
+        return self
+
+
+class Tool(_Strict):
+    type: str = "function"
+    function: FunctionDefinition
+
+    @model_validator(mode="after")
+    def _check_type(self) -> Tool:
+        if self.type != "function":
+            raise ValueError(f"tool type {self.type!r} is not supported (allowed: 'function')")
+        return self
+
+
+# Refused by name: they would change the answer and this server cannot honour them.
+_UNSUPPORTED_CHAT = {
+    "audio": "this model produces text only",
+    "reasoning_effort": "this model does not reason before answering",
+    "verbosity": "this model has no verbosity setting",
+    "web_search_options": "this server has no web search",
+}
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -156,17 +346,74 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    functions: list[FunctionDefinition] | None = None  # legacy tools
+    function_call: str | dict[str, Any] | None = None  # legacy tool_choice
+    modalities: list[str] | None = None
+    audio: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    web_search_options: Any = None
 
-    def sampling_params(self) -> SamplingParams:
+    @model_validator(mode="after")
+    def _check_chat(self) -> ChatCompletionRequest:
+        for name, why in _UNSUPPORTED_CHAT.items():
+            if getattr(self, name) is not None:
+                raise ValueError(f"{name} is not supported: {why}")
+        if self.modalities is not None and self.modalities != ["text"]:
+            raise ValueError(f"modalities {self.modalities} is not supported: this model "
+                             "produces text only (allowed: [\"text\"])")
+        if self.functions is not None and self.tools is not None:
+            raise ValueError("send tools or the legacy functions, not both")
+        return self
+
+    @property
+    def legacy_functions(self) -> bool:
+        return self.functions is not None
+
+    def tool_setup(self) -> tuple[list[dict[str, Any]], str | None]:
+        """(tools as OpenAI dicts, mode): mode None (no tools or tool_choice "none"),
+        "auto", "required", or the name of the function that must be called."""
+        if self.functions is not None:
+            tools = [{"type": "function", "function": f.model_dump(exclude_none=True)}
+                     for f in self.functions]
+            choice: Any = self.function_call
+            if isinstance(choice, dict):
+                choice = {"type": "function", "function": choice}
+            param = "function_call"
+        else:
+            tools = [t.model_dump(exclude_none=True) for t in self.tools or []]
+            choice, param = self.tool_choice, "tool_choice"
+        names = [t["function"]["name"] for t in tools]
+        if choice is None:
+            choice = "auto" if tools else "none"
+        if choice == "none":
+            return tools, None
+        if choice in ("auto", "required"):
+            if not tools:
+                raise ValueError(f"{param} {choice!r} needs tools")
+            return tools, choice
+        if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(
+                choice.get("function"), dict) and isinstance(choice["function"].get("name"), str):
+            name = choice["function"]["name"]
+            if name not in names:
+                raise ValueError(f"{param} names the function {name!r}, which is not among "
+                                 f"the tools ({', '.join(names) or 'none given'})")
+            return tools, name
+        raise ValueError(f"{param} must be 'none', 'auto', 'required' or "
+                         "{\"type\": \"function\", \"function\": {\"name\": ...}}, got "
+                         f"{json.dumps(choice)[:100]}")
+
+    def sampling_params(self, constraint: StructuredOutputsParams | None = None
+                        ) -> SamplingParams:
         max_tokens = self.max_completion_tokens or self.max_tokens
         logprobs = None
         if self.logprobs:
             logprobs = self.top_logprobs or 0
         return SamplingParams(max_tokens=max_tokens, logprobs=logprobs,
-                              **self._sampling_kwargs())
+                              structured_outputs=constraint, **self._sampling_kwargs())
 
 
 class TokenizeRequest(BaseModel):

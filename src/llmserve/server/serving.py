@@ -27,6 +27,7 @@ from llmserve.engine.validation import ContextLengthError
 from llmserve.outputs import Logprob, RequestOutput
 from llmserve.sampling_params import SamplingParams
 from llmserve.server.errors import APIError, bad_request, error_body, param_of
+from llmserve.server.tools import ToolCallStream, parse_tool_calls
 
 
 @dataclass
@@ -40,6 +41,10 @@ class Job:
     params: SamplingParams
     priority: int = 0
     include_usage: bool = False
+    # Chat with tools: the functions whose calls are parsed out of the output (None: no
+    # parsing); legacy_functions answers in the old function_call shape.
+    tool_names: set[str] | None = None
+    legacy_functions: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -166,7 +171,7 @@ def _full_response(engine: AsyncLLM, job: Job, outputs: list[RequestOutput]) -> 
             choice: dict[str, Any] = {"index": p * n + c.index, "finish_reason": c.finish_reason,
                                       "stop_reason": c.stop_reason}
             if job.kind == "chat":
-                choice["message"] = {"role": "assistant", "content": c.text}
+                choice["message"] = _chat_message(job, c.text, choice)
                 choice["logprobs"] = _chat_logprobs(engine, c.logprobs, k)
             else:
                 choice["text"] = c.text
@@ -174,6 +179,23 @@ def _full_response(engine: AsyncLLM, job: Job, outputs: list[RequestOutput]) -> 
             choices.append(choice)
     return {"id": job.request_id, "object": _object(job), "created": job.created,
             "model": job.model, "choices": choices, "usage": _usage(job, outputs)}
+
+
+def _chat_message(job: Job, text: str, choice: dict[str, Any]) -> dict[str, Any]:
+    """The assistant's message; with tools, its calls parsed out of the text (and the finish
+    reason says so when the model stopped after calling)."""
+    if job.tool_names is None:
+        return {"role": "assistant", "content": text}
+    content, calls = parse_tool_calls(text, job.tool_names)
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if calls:
+        if job.legacy_functions:
+            message["function_call"] = {"name": calls[0].name, "arguments": calls[0].arguments}
+        else:
+            message["tool_calls"] = [c.to_openai() for c in calls]
+        if choice["finish_reason"] == "stop":
+            choice["finish_reason"] = "function_call" if job.legacy_functions else "tool_calls"
+    return message
 
 
 # ---- streaming -----------------------------------------------------------------------------
@@ -190,6 +212,7 @@ async def _sse(engine: AsyncLLM, job: Job,
     n, k = job.params.n, job.params.logprobs or 0
     completion_tokens = 0
     prompt_tokens = sum(len(ids) for _, ids in job.prompts)
+    tool_streams: dict[int, ToolCallStream] = {}
     try:
         if job.kind == "chat":
             for p in range(len(job.prompts)):
@@ -207,14 +230,18 @@ async def _sse(engine: AsyncLLM, job: Job,
                 if not d.token_ids and d.finish_reason is None:
                     continue  # one chunk per token, even while its text is held back
                 index = p * n + d.index
+                finish = d.finish_reason
                 if job.kind == "chat":
-                    delta = {"content": d.text}
+                    delta: dict[str, Any] = {"content": d.text}
+                    if job.tool_names is not None:
+                        calls = tool_streams.setdefault(index, ToolCallStream(job.tool_names))
+                        delta, finish = _tool_delta(job, calls, d.text, finish)
                     choice = {"index": index, "delta": delta,
                               "logprobs": _chat_logprobs(engine, d.logprobs, k)}
                 else:
                     choice = {"index": index, "text": d.text,
                               "logprobs": _completion_logprobs(d.logprobs, k)}
-                choice["finish_reason"] = d.finish_reason
+                choice["finish_reason"] = finish
                 if d.finish_reason is not None:
                     choice["stop_reason"] = d.stop_reason
                 yield _chunk(job, [choice])
@@ -230,6 +257,25 @@ async def _sse(engine: AsyncLLM, job: Job,
     finally:
         await events.aclose()
     yield "data: [DONE]\n\n"
+
+
+def _tool_delta(job: Job, stream: ToolCallStream, text: str,
+                finish: str | None) -> tuple[dict[str, Any], str | None]:
+    """The delta of one streamed token with tools: content as it comes, each call once it
+    is complete (OpenAI's tool_calls delta: index, id, type, name and arguments)."""
+    first = len(stream.calls)
+    content, calls = stream.feed(text, final=finish is not None)
+    delta: dict[str, Any] = {"content": content}
+    if calls:
+        if job.legacy_functions:
+            delta["function_call"] = {"name": calls[0].name, "arguments": calls[0].arguments}
+        else:
+            delta["tool_calls"] = [c.to_openai(first + i) for i, c in enumerate(calls)]
+        if not content:
+            delta["content"] = None
+    if finish == "stop" and stream.calls:
+        finish = "function_call" if job.legacy_functions else "tool_calls"
+    return delta, finish
 
 
 def _chunk(job: Job, choices: list[dict[str, Any]], usage: dict | None = None) -> str:

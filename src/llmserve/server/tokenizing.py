@@ -31,9 +31,10 @@ def _encode(text: str, add_special_tokens: bool) -> list[int]:
     return _worker_tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
-def _encode_chat(messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
+def _encode_chat(messages: list[dict[str, Any]], add_generation_prompt: bool,
+                 variables: dict[str, Any]) -> list[int]:
     assert _worker_tokenizer is not None
-    return _worker_tokenizer.encode_chat(messages, add_generation_prompt)
+    return _worker_tokenizer.encode_chat(messages, add_generation_prompt, **variables)
 
 
 def _ready() -> bool:
@@ -69,10 +70,13 @@ class TokenizerPool:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor(), _encode, text, add_special_tokens)
 
-    async def encode_chat(self, messages: list[dict[str, Any]],
-                          add_generation_prompt: bool) -> list[int]:
-        if sum(len(m["content"]) for m in messages) < INLINE_CHARS:
-            return self.tokenizer.encode_chat(messages, add_generation_prompt)
+    async def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                          variables: dict[str, Any] | None = None) -> list[int]:
+        """``variables``: more for the template (``tools``)."""
+        variables = variables or {}
+        chars = sum(len(m.get("content") or "") for m in messages) + len(str(variables))
+        if chars < INLINE_CHARS:
+            return self.tokenizer.encode_chat(messages, add_generation_prompt, **variables)
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor(), _encode_chat, messages,
-                                          add_generation_prompt)
+                                          add_generation_prompt, variables)

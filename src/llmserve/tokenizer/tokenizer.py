@@ -104,10 +104,10 @@ class Tokenizer:
                                     bos_token=self.bos_token or "",
                                     eos_token=self.eos_token or "", **variables)
 
-    def encode_chat(self, messages: list[dict[str, Any]],
-                    add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    **variables: Any) -> list[int]:
         """The template writes its own special tokens, so none are added on encode."""
-        text = self.apply_chat_template(messages, add_generation_prompt)
+        text = self.apply_chat_template(messages, add_generation_prompt, **variables)
         return self.encode(text, add_special_tokens=False)
 
     # ---- construction -------------------------------------------------------------------

@@ -1,0 +1,115 @@
+"""Per-request grammar matchers in the engine, and the token masks of each step.
+
+The runner asks for the masks of a step before its forward pass; they are computed on a
+worker thread while the model runs (llguidance releases the GIL, PyTorch's kernels do
+too) and collected after the logits, so a constrained step costs the forward pass plus
+applying the masks. A request verifying k draft tokens gets k + 1 masks: row j is the
+grammar's state after drafts 0..j-1 (walked forward, then rolled back), so a draft the
+grammar forbids is rejected by verification like any other mismatch, and the rows after
+it are discarded anyway.
+
+A matcher follows the tokens the request emits (``accept``); it lives until the request
+ends (``free``), through preemption (a preempted request keeps its output).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+from llguidance import LLMatcher, LLTokenizer
+
+from llmserve.logger import get_logger
+from llmserve.scheduler.output import ScheduledRequest
+from llmserve.structured_output.grammar import compile_grammar
+from llmserve.tokenizer.tokenizer import Tokenizer
+
+logger = get_logger(__name__)
+
+
+class GrammarBackend:
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int,
+                 eos_token_ids: Iterable[int]) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size  # the width of the logits (may exceed the vocabulary)
+        self.eos_token_ids = sorted(eos_token_ids)
+        self.words = (vocab_size + 31) // 32
+        self._matchers: dict[str, LLMatcher] = {}
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+
+    @functools.cached_property
+    def ll_tokenizer(self) -> LLTokenizer:
+        """llguidance's view of the vocabulary (built once, about a second)."""
+        return LLTokenizer(self.tokenizer.backend.to_str(), n_vocab=self.vocab_size,
+                           eos_token=self.eos_token_ids or None)
+
+    def warm_up(self) -> Future:
+        """Build the tokenizer view in the background, so no request waits for it."""
+        return self._pool.submit(lambda: self.ll_tokenizer)
+
+    def submit(self, items: list[ScheduledRequest]) -> Future[torch.Tensor]:
+        """Start computing the masks of the constrained requests among ``items`` (those
+        that sample this step): int32 [rows, words], k + 1 rows per request, in order."""
+        return self._pool.submit(self.masks, items)
+
+    def masks(self, items: list[ScheduledRequest]) -> torch.Tensor:
+        rows = sum(s.num_draft_tokens + 1 for s in items)
+        bitmask = torch.full((rows, self.words), -1, dtype=torch.int32)
+        row = 0
+        for s in items:
+            matcher = self._matcher(s)
+            drafts = s.draft_token_ids
+            walked = matcher.validate_tokens(drafts) if drafts else 0
+            if walked:
+                matcher.consume_tokens(drafts[:walked])
+            for j in range(min(walked, len(drafts)) + 1):
+                self._fill(matcher, s.request_id, bitmask[row + j])
+            if walked:
+                matcher.rollback(walked)
+            row += s.num_draft_tokens + 1  # rows past a forbidden draft stay all-allowed
+        return bitmask
+
+    def accept(self, request_id: str, token_ids: list[int]) -> None:
+        """The request emitted these tokens: move its matcher on."""
+        matcher = self._matchers.get(request_id)
+        if matcher is None:
+            return
+        for t in token_ids:
+            if matcher.is_stopped():  # complete: only the end of the sequence was allowed
+                return
+            if not matcher.consume_token(t):
+                logger.warning("request %s: the grammar refused token %d: %s", request_id, t,
+                               matcher.get_error())
+                return
+
+    def free(self, request_id: str) -> None:
+        self._matchers.pop(request_id, None)
+
+    def _matcher(self, s: ScheduledRequest) -> LLMatcher:
+        matcher = self._matchers.get(s.request_id)
+        if matcher is None:
+            assert s.sampling_params.structured_outputs is not None
+            grammar = compile_grammar(s.sampling_params.structured_outputs)
+            matcher = LLMatcher(self.ll_tokenizer, grammar, log_level=0)
+            if matcher.is_error():  # checked when the request was made; never expected
+                logger.error("request %s: grammar failed: %s", s.request_id,
+                             matcher.get_error())
+            self._matchers[s.request_id] = matcher
+        return matcher
+
+    def _fill(self, matcher: LLMatcher, request_id: str, target: torch.Tensor) -> None:
+        if matcher.is_error():
+            # Only the end of the sequence is left: end the request rather than emit text
+            # outside the grammar.
+            target.zero_()
+            for t in self.eos_token_ids:
+                target[t // 32] |= _bit(t % 32)
+            return
+        matcher.unsafe_compute_mask_ptr(target.data_ptr(), target.numel() * 4)
+
+
+def _bit(i: int) -> int:
+    """Bit i of an int32 word, as the signed value torch stores."""
+    return (1 << i) - (1 << 32) if i == 31 else 1 << i
