@@ -88,7 +88,51 @@ def test_malformed_json_and_unsupported_features_are_400(tiny_server):
     r = httpx.post(f"{tiny_server.v1}/chat/completions", headers=AUTH,
                    json={"model": tiny_server.model, "tools": [{"type": "function"}],
                          "messages": [{"role": "user", "content": "hi"}]})
-    _envelope(r, 400, param="tools")
+    _envelope(r, 400, param="tools.0.function")
+
+
+@pytest.mark.parametrize("path, body, param, fragment", [
+    ("completions", {"prompt": "hi", "max_token": 5}, "max_token",
+     "Unrecognized request argument supplied: max_token"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi", "nmae": "x"}]},
+     "messages.0.nmae", "Unrecognized request argument supplied: nmae (in messages.0)"),
+    ("chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]},
+     "messages.0.content", "this model accepts text only"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                          "response_format": {"type": "json_schema", "json_schema": {
+                              "name": "x", "schema": {"type": "object", "if": {}}}}},
+     "response_format.json_schema.schema", 'Unimplemented keys: ["if"]'),
+    ("completions", {"prompt": "hi", "guided_regex": "a(b"}, "guided_regex", "unclosed group"),
+    ("completions", {"prompt": "hi", "guided_json": {"type": "object"},
+                     "structured_outputs": {"regex": "a"}}, None, "both constrain the output"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                          "tools": [{"type": "function", "function": {"name": "f"}}],
+                          "tool_choice": {"type": "function", "function": {"name": "g"}}},
+     "tool_choice", "names the function 'g', which is not among the tools (f)"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                          "reasoning_effort": "high"}, "reasoning_effort",
+     "reasoning_effort is not supported"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                          "guided_decoding_backend": "xgrammar"}, "guided_decoding_backend",
+     "this server decodes with llguidance"),
+])
+def test_what_cannot_be_honoured_is_refused_by_name(tiny_server, path, body, param, fragment):
+    """Nothing silently ignored: typos, images, unenforceable schemas and unsupported
+    options are a 400 naming the field."""
+    r = httpx.post(f"{tiny_server.v1}/{path}", headers=AUTH,
+                   json={"model": tiny_server.model, **body})
+    err = _envelope(r, 400, param=param)
+    assert fragment in err["message"], err
+
+
+def test_documented_no_effect_fields_are_accepted(tiny_server):
+    r = httpx.post(f"{tiny_server.v1}/chat/completions", headers=AUTH, json={
+        "model": tiny_server.model, "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 2, "user": "u-1", "store": False, "metadata": {"team": "a"},
+        "service_tier": "auto", "prompt_cache_key": "k", "safety_identifier": "s",
+        "stream_options": None})
+    assert r.status_code == 200, r.text
 
 
 @pytest.fixture(scope="module")

@@ -62,10 +62,10 @@ class GrammarBackend:
             matcher = self._matcher(s)
             drafts = s.draft_token_ids
             walked = matcher.validate_tokens(drafts) if drafts else 0
-            if walked:
-                matcher.consume_tokens(drafts[:walked])
-            for j in range(min(walked, len(drafts)) + 1):
-                self._fill(matcher, s.request_id, bitmask[row + j])
+            for j in range(walked + 1):  # row j: after drafts 0..j-1
+                self._fill(matcher, bitmask[row + j])
+                if j < walked:
+                    matcher.consume_token(drafts[j])
             if walked:
                 matcher.rollback(walked)
             row += s.num_draft_tokens + 1  # rows past a forbidden draft stay all-allowed
@@ -99,7 +99,7 @@ class GrammarBackend:
             self._matchers[s.request_id] = matcher
         return matcher
 
-    def _fill(self, matcher: LLMatcher, request_id: str, target: torch.Tensor) -> None:
+    def _fill(self, matcher: LLMatcher, target: torch.Tensor) -> None:
         if matcher.is_error():
             # Only the end of the sequence is left: end the request rather than emit text
             # outside the grammar.
