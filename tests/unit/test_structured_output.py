@@ -268,7 +268,8 @@ def test_unknown_fields_are_refused_and_documented_ones_accepted():
     with pytest.raises(ValueError, match="extra"):
         _chat(guided_foo=1)
     req = _chat(user="u", store=True, metadata={"k": "v"}, service_tier="auto",
-                prompt_cache_key="p", safety_identifier="s")
+                prompt_cache_key="p", safety_identifier="s",
+                prediction={"type": "content", "content": "hello"})
     assert req.sampling_params() == _chat().sampling_params()
     with pytest.raises(ValueError, match="reasoning_effort is not supported"):
         _chat(reasoning_effort="low")

@@ -352,6 +352,7 @@ class ChatCompletionRequest(_SamplingFields):
     functions: list[FunctionDefinition] | None = None  # legacy tools
     function_call: str | dict[str, Any] | None = None  # legacy tool_choice
     modalities: list[str] | None = None
+    prediction: dict[str, Any] | None = None  # no effect (NO_EFFECT says why)
     audio: Any = None
     reasoning_effort: Any = None
     verbosity: Any = None
