@@ -159,14 +159,16 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
+    prompt_logprobs: int | None = None  # vLLM's extra
 
     def sampling_params(self) -> SamplingParams:
-        max_tokens = self.max_completion_tokens or self.max_tokens
+        max_tokens = (self.max_tokens if self.max_completion_tokens is None
+                      else self.max_completion_tokens)
         logprobs = None
         if self.logprobs:
             logprobs = self.top_logprobs or 0
         return SamplingParams(max_tokens=max_tokens, logprobs=logprobs,
-                              **self._sampling_kwargs())
+                              prompt_logprobs=self.prompt_logprobs, **self._sampling_kwargs())
 
 
 class TokenizeRequest(BaseModel):
