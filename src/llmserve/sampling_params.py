@@ -74,7 +74,9 @@ class SamplingParams:
     """Generation parameters of one request.
 
     n: sequences to return for the prompt (they share the prompt's KV cache).
-    max_tokens: tokens to generate at most; None: up to the context window.
+    max_tokens: tokens to generate at most; None: up to the context window; 0: compute the
+        prompt and generate nothing (to score it with prompt_logprobs, or to warm the
+        prefix cache): the request ends after its prefill with finish reason "length".
     min_tokens: tokens to generate before EOS or stop_token_ids may end the sequence.
     temperature: 0 means greedy; higher flattens the distribution. [0, 2]
     top_p: nucleus sampling, the smallest set of tokens with this probability mass. (0, 1]
@@ -133,7 +135,7 @@ class SamplingParams:
     def _validate(self) -> None:
         _int_in("n", self.n, 1, MAX_N)
         if self.max_tokens is not None:
-            _int_in("max_tokens", self.max_tokens, 1, None)
+            _int_in("max_tokens", self.max_tokens, 0, None)
         _int_in("min_tokens", self.min_tokens, 0, None)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             _fail("min_tokens", f"must be <= max_tokens ({self.max_tokens}), "
@@ -181,12 +183,16 @@ class SamplingParams:
                 or self.repetition_penalty != 1.0)
 
     def child(self, index: int) -> SamplingParams:
-        """Parameters of the index-th of n sequences: n = 1 and, if seeded, seed + index."""
+        """Parameters of the index-th of n sequences: n = 1 and, if seeded, seed + index.
+        Only the first sequence computes prompt logprobs (the prompt's, the same for all):
+        the others then take the prompt's KV blocks from the prefix cache instead of
+        computing the prompt again for logits they would not need."""
         from dataclasses import replace
 
         # Wrapped into the signed 64-bit range (seed 2**63 - 1 with n = 2 stays valid).
         seed = None if self.seed is None else (self.seed + index + 2**63) % 2**64 - 2**63
-        return replace(self, n=1, seed=seed)
+        return replace(self, n=1, seed=seed,
+                       prompt_logprobs=self.prompt_logprobs if index == 0 else None)
 
 
 def _fail(name: str, message: str) -> None:

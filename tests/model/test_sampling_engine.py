@@ -94,6 +94,34 @@ def test_logprobs_and_prompt_logprobs_match_the_model(llm):
         assert len(entry) <= 4
 
 
+def test_max_tokens_0_scores_the_prompt_and_generates_nothing(llm):
+    """A prompt-only request (lm-evaluation-harness's scoring): the same prompt logprobs as
+    a request that goes on to generate, no token, finish reason "length", blocks freed;
+    with n = 2 the second sequence reuses the first's blocks instead of recomputing."""
+    prompt = _prompt(random.Random(6), 40)
+    scored = llm.generate([prompt], SamplingParams(max_tokens=0, prompt_logprobs=2))[0]
+    generated = llm.generate([prompt], SamplingParams(max_tokens=3, prompt_logprobs=2,
+                                                      temperature=0))[0]
+    assert scored.outputs[0].token_ids == [] and scored.outputs[0].text == ""
+    assert scored.outputs[0].finish_reason == "length"
+    assert len(scored.prompt_logprobs) == 40 and scored.prompt_logprobs[0] is None
+    assert scored.prompt_logprobs == generated.prompt_logprobs
+    kv = llm.engine.kv_manager
+    hits = kv.prefix_hits
+    two = llm.generate([prompt], SamplingParams(n=2, max_tokens=0, prompt_logprobs=2))[0]
+    assert [(c.index, c.token_ids, c.finish_reason) for c in two.outputs] == [
+        (0, [], "length"), (1, [], "length")]
+    assert two.prompt_logprobs == scored.prompt_logprobs
+    assert kv.prefix_hits - hits == 32  # the sibling: 2 full blocks (16 each) of 40 tokens
+    assert two.num_cached_tokens == 0  # the prompt itself was computed
+    full = llm.generate([[7] * 1024], SamplingParams(max_tokens=0, prompt_logprobs=0))[0]
+    assert len(full.prompt_logprobs) == 1024  # a prompt may fill the window when scored
+    with pytest.raises(ContextLengthError, match="no room left to generate"):
+        llm.generate([[7] * 1024], SamplingParams(max_tokens=1))
+    assert llm.engine.stats().kv_blocks_used == 0
+    kv.check_integrity()
+
+
 def test_stop_string_ends_generation_through_the_engine(llm):
     rng = random.Random(4)
     prompt = _prompt(rng, 10)

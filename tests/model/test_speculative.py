@@ -140,3 +140,25 @@ def test_the_target_as_its_own_draft_is_always_accepted(tiny_model_dir):
     assert stats.spec_accepted_tokens == stats.spec_draft_tokens
     assert not llm.engine.speculator.proposer._seqs  # every request's draft blocks freed
     assert len(llm.engine.speculator.proposer._free) == llm.engine.speculator.proposer.num_blocks
+
+
+def test_prompt_only_requests_beside_speculating_ones(tiny_model_dir):
+    """max_tokens 0 requests (scoring prompts) end after their prefill while others
+    speculate: the same outputs and prompt logprobs as without, every draft block freed."""
+    path, _ = tiny_model_dir("llama-gqa")
+    prompts, _ = _workload(8)
+    params = [SamplingParams(max_tokens=0, prompt_logprobs=1) if i % 2 else
+              SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+              for i in range(len(prompts))]
+    config = {"method": "draft", "model": str(path), "num_speculative_tokens": 3}
+    llm = LLM(str(path), max_model_len=512, num_kv_blocks=256, speculative_config=config)
+    llm.engine.speculator.cost = FREE_ROWS
+    want = LLM(str(path), max_model_len=512, num_kv_blocks=256).generate(prompts, params)
+    got = llm.generate(prompts, params)
+    assert [(o.outputs[0].token_ids, o.prompt_logprobs) for o in got] == [
+        (o.outputs[0].token_ids, o.prompt_logprobs) for o in want]
+    assert all(o.outputs[0].token_ids == [] for o in got[1::2])
+    assert llm.engine.stats().spec_draft_tokens > 0
+    proposer = llm.engine.speculator.proposer
+    assert not proposer._seqs and len(proposer._free) == proposer.num_blocks
+    llm.engine.kv_manager.check_integrity()

@@ -15,7 +15,7 @@ from llmserve.sampling_params import SamplingParams
     ({"top_k": 2**63}, r"top_k must be .* up to 2147483647, got 9223372036854775808"),
     ({"logprobs": 50}, r"logprobs must be in \[0, 20\], got 50"),
     ({"prompt_logprobs": 21}, r"prompt_logprobs must be in \[0, 20\], got 21"),
-    ({"max_tokens": 0}, r"max_tokens must be at least 1, got 0"),
+    ({"max_tokens": -1}, r"max_tokens must be at least 0, got -1"),
     ({"n": 0}, r"n must be in \[1, 128\], got 0"),
     ({"min_tokens": 5, "max_tokens": 2}, r"min_tokens must be <= max_tokens \(2\), got 5"),
     ({"min_p": 1.5}, r"min_p must be in \[0, 1\], got 1.5"),
@@ -57,3 +57,9 @@ def test_child_seeds_stay_in_the_signed_64_bit_range():
     top = SamplingParams(n=3, seed=2**63 - 1)
     assert [top.child(i).seed for i in range(3)] == [2**63 - 1, -(2**63), -(2**63) + 1]
     assert SamplingParams(n=2, seed=5).child(1).seed == 6
+
+
+def test_only_the_first_of_n_sequences_computes_prompt_logprobs():
+    p = SamplingParams(n=3, seed=7, prompt_logprobs=2, max_tokens=0)
+    assert [(c.seed, c.prompt_logprobs, c.max_tokens) for c in map(p.child, range(3))] == [
+        (7, 2, 0), (8, None, 0), (9, None, 0)]

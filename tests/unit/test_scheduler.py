@@ -71,6 +71,29 @@ def test_long_prompt_is_chunked_and_samples_only_at_the_end():
     assert a.status == RequestStatus.FINISHED_LENGTH
 
 
+def test_prompt_only_request_ends_after_its_prefill_without_sampling():
+    """max_tokens 0 (scoring a prompt): the chunks compute the prompt, none samples, and
+    the step that computes its last chunk ends it, while another request goes on."""
+    s, r = make(budget=32)
+    a = req("a", 70, max_tokens=0)
+    b = req("b", 6, max_tokens=5)
+    s.add_request(a)
+    s.add_request(b)
+    changed = []
+    while a.status < RequestStatus.FINISHED_STOPPED:
+        out = s.schedule()
+        changed.append([x.request_id for x in s.update(out, r.execute(out))])
+        s.kv.check_integrity()
+    sizes = [x.num_tokens for o in r.steps for x in o.scheduled if x.request_id == "a"]
+    assert sizes == [32, 32, 6]
+    assert not any(x.sample for o in r.steps for x in o.scheduled if x.request_id == "a")
+    assert a.status == RequestStatus.FINISHED_LENGTH and a.output_token_ids == []
+    assert a.num_new_tokens == 0 and "a" in changed[-1] and "a" not in changed[-2]
+    assert s.kv.get_block_ids("a") == []
+    run(s, r)
+    assert len(b.output_token_ids) == 5
+
+
 def test_decodes_run_first_and_prefill_chunks_fill_the_budget():
     s, r = make(budget=16)
     s.add_request(req("a", 8, max_tokens=10))

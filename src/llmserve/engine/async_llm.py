@@ -39,7 +39,7 @@ from llmserve.engine.messages import (
 from llmserve.engine.output_processor import OutputProcessor, RequestState, SequenceDelta
 from llmserve.engine.validation import check_request
 from llmserve.logger import get_logger
-from llmserve.outputs import RequestOutput
+from llmserve.outputs import Logprob, RequestOutput
 from llmserve.sampling_params import SamplingParams
 from llmserve.scheduler.output import SchedulerStats
 from llmserve.tokenizer import Tokenizer
@@ -74,6 +74,9 @@ class RequestEvent:
 
     deltas: list[SequenceDelta] = field(default_factory=list)
     output: RequestOutput | None = None  # set on the last event
+    # The prompt's logprobs (first entry None), on every event from the one that brings a
+    # sequence's first output: a stream that echoes the prompt needs them with that output.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     # On a failed end: "timeout", "shutdown", "engine_error" or "invalid_request".
     error: str | None = None
     message: str | None = None
@@ -418,7 +421,7 @@ class AsyncLLM:
             if tracked is None:
                 continue
             self._record_timing(tracked, ds, now, first_sched.get(rid))
-            event = RequestEvent(deltas=ds)
+            event = RequestEvent(deltas=ds, prompt_logprobs=tracked.state.prompt_logprobs)
             if tracked.state.finished:
                 event.output = tracked.state.to_output()
                 del self._tracked[rid]

@@ -159,7 +159,8 @@ class EngineCore:
             if r.prompt_logprobs is not None and not r.prompt_logprobs_sent:
                 prompt_lp, r.prompt_logprobs_sent = r.prompt_logprobs, True
             outputs.append(EngineCoreOutput(
-                r.parent_id, r.index, r.output_token_ids[-r.num_new_tokens:],
+                r.parent_id, r.index,
+                r.output_token_ids[r.num_output_tokens - r.num_new_tokens:],
                 r.status.finish_reason, r.stop_reason, r.num_prompt_tokens, r.num_cached_tokens,
                 None if r.sampling_params.logprobs is None else list(r.new_logprobs),
                 prompt_lp, r.first_scheduled_time))

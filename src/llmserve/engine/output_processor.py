@@ -80,7 +80,10 @@ class RequestState:
         """Fold one engine output in; returns the delta and whether a stop string ended the
         sequence (the engine must then be told to stop it)."""
         seq = self.seqs[out.index]
-        self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
+        if out.index == 0:
+            # The prompt's prefix-cache hit is the first sequence's: the others wait for it
+            # to compute the prompt and then share its blocks, which is not a cache hit.
+            self.num_cached_tokens = out.num_cached_tokens
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = [None if e is None else self._logprob_dict(e)
                                     for e in out.prompt_logprobs]

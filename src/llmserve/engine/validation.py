@@ -25,7 +25,8 @@ def check_request(prompt_token_ids: Sequence[int], params: SamplingParams, max_m
     n = len(prompt_token_ids)
     if n == 0:
         raise ValueError("prompt is empty: it must contain at least one token")
-    if n >= max_model_len:
+    if n > max_model_len or (n == max_model_len and params.max_tokens != 0):
+        # (a prompt that fills the window may still be scored: max_tokens 0)
         raise ContextLengthError(f"the prompt has {n} tokens, the context window is "
                                  f"{max_model_len}: no room left to generate")
     room = max_model_len - n

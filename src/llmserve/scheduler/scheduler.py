@@ -172,6 +172,9 @@ class Scheduler:
                 first, entries = result.prompt_logprobs[item.request_id]
                 req.prompt_logprobs[first:first + len(entries)] = entries
             if not item.sample:
+                if req.max_tokens == 0 and req.num_computed_tokens == req.num_tokens:
+                    self._finish_prompt_only(req)  # its prompt is computed: all it asked
+                    changed.append(req)
                 continue  # a prefill chunk that samples nothing
             tokens = result.sampled_token_ids[item.request_id]
             logprobs = result.logprobs.get(item.request_id)
@@ -211,6 +214,15 @@ class Scheduler:
         )
 
     # ---- helpers ------------------------------------------------------------------------
+
+    def _finish_prompt_only(self, req: Request) -> None:
+        """End a max_tokens 0 request once its prompt is computed: nothing was sampled (its
+        last step computed no logits), and its prompt logprobs, if asked, are complete."""
+        req.status = RequestStatus.FINISHED_LENGTH
+        req.num_new_tokens = 0
+        req.new_logprobs = []
+        self.running.remove(req)
+        self._release(req)
 
     def _drafts_that_fit(self, req: Request, num_new: int, budget: int) -> list[int]:
         """The request's draft tokens, if it is decoding and they fit in the budget and in
@@ -253,7 +265,7 @@ class Scheduler:
             token_ids=req.all_token_ids[start:start + num_new] + drafts,
             start_pos=start,
             block_ids=self.kv.get_block_ids(req.request_id),
-            sample=req.num_computed_tokens == req.num_tokens,
+            sample=req.num_computed_tokens == req.num_tokens and req.max_tokens > 0,
             sampling_params=req.sampling_params,
             prompt_token_ids=list(req.prompt_token_ids) if needs_prompt else [],
             output_token_ids=list(req.output_token_ids) if needs_output else [],

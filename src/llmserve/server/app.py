@@ -36,6 +36,7 @@ from llmserve.server.protocol import (
 from llmserve.server.serving import (
     ClientDisconnected,
     Job,
+    completion_params,
     make_params,
     respond,
     stream,
@@ -159,11 +160,21 @@ def build_app(engine: AsyncLLM, config: ServerConfig, metrics: ServerMetrics,
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
+    def model_card() -> dict:
+        return {"id": model_name, "object": "model", "created": 0, "owned_by": "llmserve",
+                "max_model_len": engine.max_model_len}
+
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{
-            "id": model_name, "object": "model", "created": 0, "owned_by": "llmserve",
-            "max_model_len": engine.max_model_len}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}",
+             responses={404: {"description": "No such model (OpenAI error envelope)"}})
+    async def model(model_id: str) -> dict:
+        """One model, as listed by /v1/models (ids may contain '/', as paths and
+        Hugging Face names do)."""
+        check_model(model_id)
+        return model_card()
 
     @app.post("/reset_prefix_cache", responses={409: {"description": "Requests are running"}})
     async def reset_prefix_cache() -> dict:
@@ -206,15 +217,14 @@ def build_app(engine: AsyncLLM, config: ServerConfig, metrics: ServerMetrics,
         check_model(req.model)
         if req.suffix:
             raise bad_request("suffix is not supported", param="suffix")
-        if req.echo:
-            raise bad_request("echo is not supported", param="echo")
         if req.best_of is not None and req.best_of != req.n:
             raise bad_request("best_of must equal n (best-of sampling is not supported)",
                               param="best_of")
-        params = make_params(req.sampling_params)
+        params = completion_params(make_params(req.sampling_params), req.echo)
         prompts = await _completion_prompts(engine, tokenizers, req.prompt)
         job = Job(engine.new_request_id("cmpl"), "completion", model_name, prompts, params,
-                  req.priority, bool(req.stream_options and req.stream_options.include_usage))
+                  req.priority, bool(req.stream_options and req.stream_options.include_usage),
+                  echo=req.echo, prompt_logprobs=req.prompt_logprobs)
         return await _run(job, req.stream, raw)
 
     @app.post("/v1/chat/completions")
@@ -234,6 +244,9 @@ def build_app(engine: AsyncLLM, config: ServerConfig, metrics: ServerMetrics,
                 tools, None if mode == "required" else mode,
                 req.parallel_tool_calls and mode == "required"))
         params = make_params(lambda: req.sampling_params(constraint))
+        if params.max_tokens == 0:
+            param = "max_tokens" if req.max_completion_tokens is None else "max_completion_tokens"
+            raise bad_request(f"{param} must be at least 1, got 0", param=param)
         messages, variables = prompt_messages(message_dicts(req.messages),
                                               tools if mode else None,
                                               engine.tokenizer.chat_template)
@@ -242,7 +255,8 @@ def build_app(engine: AsyncLLM, config: ServerConfig, metrics: ServerMetrics,
         job = Job(engine.new_request_id("chatcmpl"), "chat", model_name, [(None, ids)], params,
                   req.priority, bool(req.stream_options and req.stream_options.include_usage),
                   tool_names={t["function"]["name"] for t in tools} if mode else None,
-                  legacy_functions=req.legacy_functions)
+                  legacy_functions=req.legacy_functions,
+                  prompt_logprobs=params.prompt_logprobs)
         return await _run(job, req.stream, raw)
 
     async def _run(job: Job, streaming: bool, raw: Request) -> Response:

@@ -357,6 +357,7 @@ class ChatCompletionRequest(_SamplingFields):
     reasoning_effort: Any = None
     verbosity: Any = None
     web_search_options: Any = None
+    prompt_logprobs: int | None = None  # vLLM's extra
 
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:
@@ -409,12 +410,14 @@ class ChatCompletionRequest(_SamplingFields):
 
     def sampling_params(self, constraint: StructuredOutputsParams | None = None
                         ) -> SamplingParams:
-        max_tokens = self.max_completion_tokens or self.max_tokens
+        max_tokens = (self.max_tokens if self.max_completion_tokens is None
+                      else self.max_completion_tokens)
         logprobs = None
         if self.logprobs:
             logprobs = self.top_logprobs or 0
         return SamplingParams(max_tokens=max_tokens, logprobs=logprobs,
-                              structured_outputs=constraint, **self._sampling_kwargs())
+                              structured_outputs=constraint,
+                              prompt_logprobs=self.prompt_logprobs, **self._sampling_kwargs())
 
 
 class TokenizeRequest(BaseModel):

@@ -2,6 +2,11 @@
 
 One user request may become several engine requests (a list of prompts in /v1/completions);
 their events are merged into one stream. Choice index = prompt index * n + sequence index.
+
+Evaluation harnesses (lm-evaluation-harness) score text through /v1/completions: ``echo``
+returns the prompt before the completion, and with ``logprobs`` the prompt tokens'
+logprobs before the generated ones (the engine computes them as prompt logprobs); with
+``max_tokens`` 0 the prompt alone. A stream sends the prompt with each choice's first chunk.
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ import contextlib
 import json
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from starlette.requests import Request
@@ -46,6 +51,8 @@ class Job:
     tool_names: set[str] | None = None
     legacy_functions: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
+    echo: bool = False  # completions: the reply's text (and logprobs) start with the prompt
+    prompt_logprobs: int | None = None  # as the client asked: returned with the reply
 
 
 class ClientDisconnected(Exception):
@@ -57,6 +64,20 @@ def make_params(build: Callable[[], SamplingParams]) -> SamplingParams:
         return build()
     except ValueError as e:
         raise bad_request(str(e), param=param_of(str(e))) from None
+
+
+def completion_params(params: SamplingParams, echo: bool) -> SamplingParams:
+    """The engine's parameters for a /v1/completions request: with echo and logprobs k, the
+    prompt's logprobs too (k of them, or more if prompt_logprobs asks). max_tokens 0 is
+    for scoring a prompt: without echo it would return nothing at all, so it is refused."""
+    if params.max_tokens == 0 and not echo:
+        raise bad_request("max_tokens must be at least 1, got 0 (0 is allowed only with "
+                          "echo: true, which returns the prompt and, with logprobs, its "
+                          "logprobs)", param="max_tokens")
+    if echo and params.logprobs is not None:
+        params = replace(params, prompt_logprobs=max(params.logprobs,
+                                                     params.prompt_logprobs or 0))
+    return params
 
 
 def validate_prompts(engine: AsyncLLM, job: Job) -> None:
@@ -167,6 +188,7 @@ def _full_response(engine: AsyncLLM, job: Job, outputs: list[RequestOutput]) -> 
     n, k = job.params.n, job.params.logprobs or 0
     choices = []
     for p, out in enumerate(outputs):
+        echoed = _echo(engine, job, p, out.prompt_logprobs)
         for c in out.outputs:
             choice: dict[str, Any] = {"index": p * n + c.index, "finish_reason": c.finish_reason,
                                       "stop_reason": c.stop_reason}
@@ -174,11 +196,18 @@ def _full_response(engine: AsyncLLM, job: Job, outputs: list[RequestOutput]) -> 
                 choice["message"] = _chat_message(job, c.text, choice)
                 choice["logprobs"] = _chat_logprobs(engine, c.logprobs, k)
             else:
-                choice["text"] = c.text
-                choice["logprobs"] = _completion_logprobs(c.logprobs, k)
+                choice["text"] = echoed.text + c.text
+                choice["logprobs"] = _completion_logprobs(c.logprobs, k, echoed.rows)
+                if job.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = _prompt_logprobs(out.prompt_logprobs,
+                                                                 job.prompt_logprobs)
             choices.append(choice)
-    return {"id": job.request_id, "object": _object(job), "created": job.created,
+    body = {"id": job.request_id, "object": _object(job), "created": job.created,
             "model": job.model, "choices": choices, "usage": _usage(job, outputs)}
+    if job.kind == "chat" and job.prompt_logprobs is not None:  # per prompt, as vLLM does
+        body["prompt_logprobs"] = _prompt_logprobs(outputs[0].prompt_logprobs,
+                                                   job.prompt_logprobs)
+    return body
 
 
 def _chat_message(job: Job, text: str, choice: dict[str, Any]) -> dict[str, Any]:
@@ -204,6 +233,10 @@ def _chat_message(job: Job, text: str, choice: dict[str, Any]) -> dict[str, Any]
 def stream(engine: AsyncLLM, job: Job) -> AsyncIterator[str]:
     """Queue the request now (429 raises before the response starts), return the SSE body.
     The server cancels the body when the client disconnects, which aborts the request."""
+    if job.kind == "chat" and job.prompt_logprobs is not None:
+        raise bad_request("prompt_logprobs is not available with stream: true on chat "
+                          "completions (as in vLLM); send stream: false",
+                          param="prompt_logprobs")
     return _sse(engine, job, _merged(_submit_all(engine, job)))
 
 
@@ -213,6 +246,9 @@ async def _sse(engine: AsyncLLM, job: Job,
     completion_tokens = 0
     prompt_tokens = sum(len(ids) for _, ids in job.prompts)
     tool_streams: dict[int, ToolCallStream] = {}
+    cached_tokens: dict[int, int] = {}  # per prompt, from its final output
+    started: set[int] = set()  # choices whose first chunk went out (with the echoed prompt)
+    offsets: dict[int, int] = {}  # per choice: text_offset of its next logprobs token
     try:
         if job.kind == "chat":
             for p in range(len(job.prompts)):
@@ -225,11 +261,15 @@ async def _sse(engine: AsyncLLM, job: Job,
                 err = _error_from_event(event)
                 yield f"data: {json.dumps(err.body())}\n\n"
                 break
+            if event.output is not None:
+                cached_tokens[p] = event.output.num_cached_tokens
             for d in event.deltas:
                 completion_tokens += len(d.token_ids)
-                if not d.token_ids and d.finish_reason is None:
-                    continue  # one chunk per token, even while its text is held back
                 index = p * n + d.index
+                first = index not in started
+                if not d.token_ids and d.finish_reason is None and not first:
+                    continue  # one chunk per token, even while its text is held back
+                started.add(index)
                 finish = d.finish_reason
                 if job.kind == "chat":
                     delta: dict[str, Any] = {"content": d.text}
@@ -239,16 +279,25 @@ async def _sse(engine: AsyncLLM, job: Job,
                     choice = {"index": index, "delta": delta,
                               "logprobs": _chat_logprobs(engine, d.logprobs, k)}
                 else:
-                    choice = {"index": index, "text": d.text,
-                              "logprobs": _completion_logprobs(d.logprobs, k)}
+                    echoed = _echo(engine, job, p, event.prompt_logprobs) if first else _NO_ECHO
+                    logprobs = _completion_logprobs(d.logprobs, k, echoed.rows,
+                                                    offsets.get(index, 0))
+                    if logprobs is not None:
+                        offsets[index] = (offsets.get(index, 0)
+                                          + sum(map(len, logprobs["tokens"])))
+                    choice = {"index": index, "text": echoed.text + d.text,
+                              "logprobs": logprobs}
+                    if first and job.prompt_logprobs is not None:
+                        choice["prompt_logprobs"] = _prompt_logprobs(event.prompt_logprobs,
+                                                                     job.prompt_logprobs)
                 choice["finish_reason"] = finish
                 if d.finish_reason is not None:
                     choice["stop_reason"] = d.stop_reason
                 yield _chunk(job, [choice])
         else:
             if job.include_usage:
-                usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                         "total_tokens": prompt_tokens + completion_tokens}
+                usage = _usage_dict(prompt_tokens, completion_tokens,
+                                    sum(cached_tokens.values()))
                 yield _chunk(job, [], usage=usage)
     except asyncio.CancelledError:
         raise
@@ -295,11 +344,17 @@ def _object(job: Job, chunk: bool = False) -> str:
     return "text_completion"
 
 
-def _usage(job: Job, outputs: list[RequestOutput]) -> dict[str, int]:
+def _usage(job: Job, outputs: list[RequestOutput]) -> dict[str, Any]:
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
     completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    return _usage_dict(prompt, completion, sum(o.num_cached_tokens for o in outputs))
+
+
+def _usage_dict(prompt: int, completion: int, cached: int) -> dict[str, Any]:
+    """OpenAI's usage object; cached_tokens: prompt tokens served from the prefix cache."""
     return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def _top(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
@@ -308,22 +363,76 @@ def _top(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
     return sorted(((t, lp) for t, lp in entry.items() if lp.rank <= k), key=lambda x: x[1].rank)
 
 
-def _completion_logprobs(entries: list[dict[int, Logprob]] | None,
-                         k: int) -> dict[str, Any] | None:
+# One token of a completions logprobs object: its text, logprob and top alternatives (both
+# None for the prompt's first token, which nothing predicts).
+_Row = tuple[str, float | None, dict[str, float] | None]
+
+
+@dataclass
+class _Echoed:
+    """What a choice starts with under echo: the prompt's text, and its logprobs rows when
+    logprobs were asked (None otherwise)."""
+
+    text: str = ""
+    rows: list[_Row] | None = None
+
+
+_NO_ECHO = _Echoed()
+
+
+def _echo(engine: AsyncLLM, job: Job, p: int,
+          prompt_logprobs: list[dict[int, Logprob] | None] | None) -> _Echoed:
+    """The echo of prompt ``p``: its text as sent, or decoded when it came as token ids."""
+    if not job.echo:
+        return _NO_ECHO
+    text, ids = job.prompts[p]
+    if text is None:
+        text = engine.tokenizer.decode(ids, skip_special_tokens=False)
+    if job.params.logprobs is None:
+        return _Echoed(text)
+    if prompt_logprobs is None or len(prompt_logprobs) != len(ids):
+        raise RuntimeError("the engine returned no prompt logprobs for an echoed prompt")
+    k = job.params.logprobs
+    rows: list[_Row] = [(engine.tokenizer.token_text(ids[0]), None, None)]
+    rows += [_row(entry, k) for entry in prompt_logprobs[1:] if entry is not None]
+    if len(rows) != len(ids):
+        raise RuntimeError("the engine's prompt logprobs miss some prompt tokens")
+    return _Echoed(text, rows)
+
+
+def _row(entry: dict[int, Logprob], k: int) -> _Row:
+    chosen = next(iter(entry.values()))
+    return (chosen.decoded_token, chosen.logprob,
+            {lp.decoded_token: lp.logprob for _, lp in _top(entry, k)})
+
+
+def _completion_logprobs(entries: list[dict[int, Logprob]] | None, k: int,
+                         echoed: list[_Row] | None = None,
+                         offset: int = 0) -> dict[str, Any] | None:
+    """OpenAI's legacy logprobs object over the echoed prompt's rows (if any), then the
+    generated tokens; text_offset counts on from ``offset`` (what a stream's earlier chunks
+    of the choice covered)."""
+    if entries is None and echoed is None:
+        return None
+    rows = (echoed or []) + [_row(entry, k) for entry in entries or ()]
+    offsets, pos = [], offset
+    for token, _, _ in rows:
+        offsets.append(pos)
+        pos += len(token)
+    return {"tokens": [r[0] for r in rows], "token_logprobs": [r[1] for r in rows],
+            "top_logprobs": [r[2] for r in rows], "text_offset": offsets}
+
+
+def _prompt_logprobs(entries: list[dict[int, Logprob] | None] | None,
+                     k: int) -> list[dict[str, dict[str, Any]] | None] | None:
+    """vLLM's prompt_logprobs: None for the first token, then per prompt token its own
+    logprob and the top k (keys are token ids as strings, as JSON needs)."""
     if entries is None:
         return None
-    tokens, token_lps, tops = [], [], []
-    for entry in entries:
-        chosen = next(iter(entry.values()))
-        tokens.append(chosen.decoded_token)
-        token_lps.append(chosen.logprob)
-        tops.append({lp.decoded_token: lp.logprob for _, lp in _top(entry, k)})
-    offsets, pos = [], 0
-    for t in tokens:
-        offsets.append(pos)
-        pos += len(t)
-    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
-            "text_offset": offsets}
+    return [None if entry is None else {
+        str(tid): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+        for j, (tid, lp) in enumerate(entry.items()) if j == 0 or lp.rank <= k}
+        for entry in entries]
 
 
 def _chat_logprobs(engine: AsyncLLM, entries: list[dict[int, Logprob]] | None,
