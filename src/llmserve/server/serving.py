@@ -265,10 +265,10 @@ async def _sse(engine: AsyncLLM, job: Job,
                 cached_tokens[p] = event.output.num_cached_tokens
             for d in event.deltas:
                 completion_tokens += len(d.token_ids)
+                if not d.token_ids and d.finish_reason is None:
+                    continue  # one chunk per token, even while its text is held back
                 index = p * n + d.index
                 first = index not in started
-                if not d.token_ids and d.finish_reason is None and not first:
-                    continue  # one chunk per token, even while its text is held back
                 started.add(index)
                 finish = d.finish_reason
                 if job.kind == "chat":
