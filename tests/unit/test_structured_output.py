@@ -316,3 +316,16 @@ def test_tool_choice_modes_and_legacy_functions():
     assert legacy.tool_setup() == ([WEATHER], "get_weather") and legacy.legacy_functions
     with pytest.raises(ValueError, match="must be 1-64 letters"):
         _chat(tools=[{"type": "function", "function": {"name": "bad name"}}])
+
+
+def test_no_effect_fields_are_declared_and_documented():
+    """NO_EFFECT is the list README's field table must show, each a field a request takes."""
+    from pathlib import Path
+
+    from llmserve.server.protocol import NO_EFFECT
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    fields = set(ChatCompletionRequest.model_fields) | set(CompletionRequest.model_fields)
+    for name in NO_EFFECT:
+        assert name in fields, name
+        assert f"`{name}`" in readme, name

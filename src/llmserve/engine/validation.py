@@ -7,10 +7,9 @@ same ones again when a request is added in-process.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 
-from llmserve.sampling_params import SamplingParams, StructuredOutputsParams
+from llmserve.sampling_params import SamplingParams
 from llmserve.structured_output import validate_structured
 
 
@@ -50,11 +49,5 @@ def check_request(prompt_token_ids: Sequence[int], params: SamplingParams, max_m
             raise ValueError(f"{name} has token id {bad}, outside the vocabulary "
                              f"[0, {vocab_size})")
     if params.structured_outputs is not None:
-        _check_grammar(params.structured_outputs)  # GrammarError names what is wrong
+        validate_structured(params.structured_outputs)  # GrammarError names what is wrong
     return max_tokens
-
-
-@functools.lru_cache(maxsize=256)
-def _check_grammar(constraint: StructuredOutputsParams) -> None:
-    """The same schema comes back request after request: check it once."""
-    validate_structured(constraint)

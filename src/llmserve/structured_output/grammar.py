@@ -12,6 +12,7 @@ whitespace: a small model left free to add whitespace can fill max_tokens with n
 
 from __future__ import annotations
 
+import functools
 import json
 
 from llguidance import LLMatcher, grammar_from
@@ -43,23 +44,29 @@ def compile_grammar(params: StructuredOutputsParams) -> str:
         raise GrammarError(str(e)) from None
 
 
-def validate_structured(params: StructuredOutputsParams, source: str | None = None) -> str:
-    """Compile and check a constraint; returns the grammar. Raises GrammarError naming the
-    field (``source``, by default structured_outputs.<kind>) and the keyword or the place
-    in the grammar the engine cannot take."""
-    kind = params.kinds()[0]
-    source = source or f"structured_outputs.{kind}"
+def validate_structured(params: StructuredOutputsParams, source: str | None = None) -> None:
+    """Raise GrammarError naming the field (``source``, by default
+    structured_outputs.<kind>) and the keyword or the place in the grammar the engine
+    cannot take. Each distinct constraint is compiled and checked once per process: the
+    server checks it at the edge, the engine's request checks find the answer cached."""
+    problem = _problem(params)
+    if problem:
+        raise GrammarError(f"{source or 'structured_outputs.' + params.kinds()[0]}: {problem}")
+
+
+@functools.lru_cache(maxsize=256)
+def _problem(params: StructuredOutputsParams) -> str | None:
+    """What keeps a constraint from being enforced, or None."""
     try:
         grammar = compile_grammar(params)
     except GrammarError as e:
-        raise GrammarError(f"{source}: {e}") from None
+        return str(e)
     error = LLMatcher.validate_grammar(grammar)
-    if error:
-        what = {"json": "JSON schema", "json_object": "JSON object",
-                "regex": "regular expression", "choice": "choice",
-                "grammar": "grammar"}[kind]
-        raise GrammarError(f"{source}: the {what} cannot be enforced: {error.strip()}")
-    return grammar
+    if not error:
+        return None
+    what = {"json": "JSON schema", "json_object": "JSON object", "regex": "regular expression",
+            "choice": "choice", "grammar": "grammar"}[params.kinds()[0]]
+    return f"the {what} cannot be enforced: {error.strip()}"
 
 
 def _schema(text: str) -> dict:
