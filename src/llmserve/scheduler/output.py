@@ -78,6 +78,7 @@ class SchedulerStats:
     num_preemptions: int  # cumulative
     num_scheduled_tokens: int  # in the last step
     num_scheduled_seqs: int  # in the last step
+    num_steps: int = 0  # steps that scheduled work (cumulative)
     # Speculative decoding, cumulative: requests that verified drafts (one per request and
     # step), draft tokens verified, accepted, and accepted at each draft position.
     spec_num_drafts: int = 0

@@ -52,6 +52,7 @@ class Scheduler:
         self.num_preemptions = 0
         self._last_tokens = 0
         self._last_seqs = 0
+        self.num_steps = 0  # schedule() calls that scheduled work
         self.spec_num_drafts = 0
         self.spec_draft_tokens = 0
         self.spec_accepted_tokens = 0
@@ -158,6 +159,8 @@ class Scheduler:
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
         self._last_tokens = out.num_batched_tokens
         self._last_seqs = len(out.scheduled)
+        if out.scheduled:
+            self.num_steps += 1
         return out
 
     def update(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[Request]:
@@ -207,6 +210,7 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             num_scheduled_tokens=self._last_tokens,
             num_scheduled_seqs=self._last_seqs,
+            num_steps=self.num_steps,
             spec_num_drafts=self.spec_num_drafts,
             spec_draft_tokens=self.spec_draft_tokens,
             spec_accepted_tokens=self.spec_accepted_tokens,

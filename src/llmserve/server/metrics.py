@@ -11,10 +11,13 @@ from llmserve.scheduler import SchedulerStats
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                     7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
+_STEP_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+_BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 512)
 
 
 @dataclass(frozen=True)
 class _EngineCounters:
+    steps: int = 0
     preemptions: int = 0
     prefix_queries: int = 0
     prefix_hits: int = 0
@@ -25,7 +28,7 @@ class _EngineCounters:
 
     @classmethod
     def of(cls, s: SchedulerStats) -> _EngineCounters:
-        return cls(s.num_preemptions, s.prefix_queries, s.prefix_hits, s.spec_num_drafts,
+        return cls(s.num_steps, s.num_preemptions, s.prefix_queries, s.prefix_hits, s.spec_num_drafts,
                    s.spec_draft_tokens, s.spec_accepted_tokens, tuple(s.spec_accepted_per_pos))
 
 
@@ -55,6 +58,11 @@ class ServerMetrics:
                                _TOKEN_BUCKETS)
         self.gen_len = hist("llmserve:request_generation_tokens",
                             "Generated tokens per request.", _TOKEN_BUCKETS)
+        # Per engine step (vLLM: iteration_tokens_total), and the batch it ran.
+        self.step_tokens = hist("llmserve:iteration_tokens_total",
+                                "Tokens scheduled in one engine step.", _STEP_TOKEN_BUCKETS)
+        self.step_batch = hist("llmserve:iteration_batch_size",
+                               "Sequences scheduled in one engine step.", _BATCH_BUCKETS)
         self.running = gauge("llmserve:num_requests_running", "Sequences running in the engine.")
         self.waiting = gauge("llmserve:num_requests_waiting", "Sequences waiting to be scheduled.")
         self.kv_usage = gauge("llmserve:kv_cache_usage_perc",
@@ -76,6 +84,9 @@ class ServerMetrics:
         self._restarts = Counter("llmserve:engine_restarts",
                                  "Engine processes restarted, by cause (signal, exception, "
                                  "exit, hang).", ["model_name", "cause"], registry=r)
+        self._responses = Counter("llmserve:http_responses",
+                                  "HTTP responses by status code, errors included.",
+                                  ["model_name", "status"], registry=r)
         self._rejected = Counter("llmserve:request_rejected", "Rejected requests by reason.",
                                  ["model_name", "reason"], registry=r)
         # Speculative decoding, named like vLLM's spec_decode counters.
@@ -100,6 +111,9 @@ class ServerMetrics:
         self.gen_tokens.inc(new_generation_tokens)
         # The engine's counters are cumulative since it started: add what they grew by.
         now, last = _EngineCounters.of(stats), self._last
+        if now.steps > last.steps:  # this message reports a step that ran
+            self.step_tokens.observe(stats.num_scheduled_tokens)
+            self.step_batch.observe(stats.num_scheduled_seqs)
         self.preemptions.inc(max(0, now.preemptions - last.preemptions))
         self.prefix_queries.inc(max(0, now.prefix_queries - last.prefix_queries))
         self.prefix_hits.inc(max(0, now.prefix_hits - last.prefix_hits))
@@ -140,6 +154,9 @@ class ServerMetrics:
 
     def on_rejected(self, reason: str) -> None:
         self._rejected.labels(self._model, reason).inc()
+
+    def on_response(self, status: int) -> None:
+        self._responses.labels(self._model, str(status)).inc()
 
     def on_engine_restart(self, cause: str) -> None:
         self._restarts.labels(self._model, cause).inc()

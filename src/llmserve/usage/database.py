@@ -1,0 +1,103 @@
+"""Open the usage database: SQLite under the data directory by default (WAL mode), or any
+SQLAlchemy URL (PostgreSQL for servers that share one); migrated to the newest schema with
+Alembic whenever it is opened."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.orm import Session, sessionmaker
+
+from llmserve.errors import LLMServeError
+
+DATABASE_FILE = "llmserve.db"
+_MIGRATIONS = Path(__file__).parent / "migrations"
+
+
+class DatabaseError(LLMServeError):
+    pass
+
+
+def default_data_dir() -> Path:
+    """$LLMSERVE_DATA_DIR, else the user's data directory (~/.local/share/llmserve)."""
+    if env := os.environ.get("LLMSERVE_DATA_DIR"):
+        return Path(env).expanduser()
+    from platformdirs import user_data_path
+
+    return user_data_path("llmserve", appauthor=False)
+
+
+def database_url(data_dir: str | Path | None = None, url: str | None = None) -> str:
+    if url:
+        return url
+    directory = Path(data_dir).expanduser() if data_dir else default_data_dir()
+    return f"sqlite:///{directory / DATABASE_FILE}"
+
+
+class Database:
+    """An SQLAlchemy engine and session factory over a migrated database."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        if url.startswith("sqlite:///"):
+            path = Path(url.removeprefix("sqlite:///"))
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise DatabaseError(f"cannot create the data directory {path.parent}: "
+                                    f"{e.strerror}") from None
+        try:
+            self.engine: Engine = create_engine(url)
+        except Exception as e:  # a malformed URL, a driver that is not installed
+            raise DatabaseError(f"cannot use the database URL {_redacted(url)}: {e}") from None
+        if self.engine.dialect.name == "sqlite":
+            event.listen(self.engine, "connect", _sqlite_pragmas)
+        self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+        self.migrate()
+
+    def migrate(self) -> None:
+        """Bring the schema to the newest revision (a no-op when it is there)."""
+        from alembic import command
+        from alembic.config import Config
+
+        config = Config()
+        config.set_main_option("script_location", str(_MIGRATIONS))
+        try:
+            with self.engine.begin() as connection:
+                config.attributes["connection"] = connection
+                command.upgrade(config, "head")
+        except Exception as e:
+            raise DatabaseError(f"cannot open the usage database {_redacted(self.url)}: "
+                                f"{e}") from None
+
+    @contextmanager
+    def session(self) -> Iterator[Session]:
+        """A session whose transaction commits at the end of the block (or rolls back)."""
+        with self._sessions.begin() as session:
+            yield session
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+
+def _sqlite_pragmas(dbapi_connection, _record) -> None:
+    cursor = dbapi_connection.cursor()
+    cursor.execute("PRAGMA journal_mode=WAL")  # readers never wait for the writer
+    cursor.execute("PRAGMA synchronous=NORMAL")  # durable at each checkpoint, as WAL intends
+    cursor.execute("PRAGMA busy_timeout=5000")  # a CLI and the server may write at once
+    cursor.execute("PRAGMA foreign_keys=ON")
+    cursor.close()
+
+
+def _redacted(url: str) -> str:
+    """The URL without its password."""
+    from sqlalchemy.engine import make_url
+
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:
+        return "(unparsable URL)"

@@ -1,0 +1,127 @@
+"""API keys: created once (the key is shown then and never again), stored as a hash,
+revoked by id, name or prefix."""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+from sqlalchemy import select
+
+from llmserve.usage.database import Database, DatabaseError
+from llmserve.usage.limits import Limits
+from llmserve.usage.schema import ApiKey
+
+KEY_PREFIX = "sk-llmserve-"
+_SHOWN = len(KEY_PREFIX) + 6  # the key's start kept to tell keys apart
+
+
+def new_key() -> str:
+    return KEY_PREFIX + secrets.token_urlsafe(32)  # 256 random bits
+
+
+def hash_key(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def utcnow() -> datetime:
+    """Naive UTC, as the database stores it (SQLite has no time zones)."""
+    return datetime.now(UTC).replace(tzinfo=None)
+
+
+@dataclass(frozen=True)
+class KeyInfo:
+    id: int
+    name: str
+    prefix: str
+    created_at: datetime
+    revoked_at: datetime | None
+    limits: Limits
+
+    @property
+    def active(self) -> bool:
+        return self.revoked_at is None
+
+    @classmethod
+    def of(cls, row: ApiKey) -> KeyInfo:
+        return cls(row.id, row.name, row.prefix, row.created_at, row.revoked_at,
+                   Limits(row.requests_per_minute, row.tokens_per_minute))
+
+    def to_json(self) -> dict:
+        return {"id": self.id, "name": self.name, "prefix": self.prefix,
+                "created_at": self.created_at.isoformat() + "Z",
+                "revoked_at": self.revoked_at.isoformat() + "Z" if self.revoked_at else None,
+                "requests_per_minute": self.limits.requests_per_minute,
+                "tokens_per_minute": self.limits.tokens_per_minute}
+
+
+class KeyStore:
+    def __init__(self, db: Database) -> None:
+        self.db = db
+
+    def create(self, name: str, requests_per_minute: int | None = None,
+               tokens_per_minute: int | None = None) -> tuple[str, KeyInfo]:
+        """A new key and its record; the key itself is not stored and cannot be shown again."""
+        name = name.strip()
+        if not name:
+            raise ValueError("a key needs a name (--name)")
+        for flag, value in (("--requests-per-minute", requests_per_minute),
+                            ("--tokens-per-minute", tokens_per_minute)):
+            if value is not None and value < 1:
+                raise ValueError(f"{flag} must be at least 1, got {value} (leave it out for "
+                                 "no limit)")
+        key = new_key()
+        row = ApiKey(name=name, prefix=key[:_SHOWN], key_hash=hash_key(key),
+                     created_at=utcnow(), requests_per_minute=requests_per_minute,
+                     tokens_per_minute=tokens_per_minute)
+        with self.db.session() as s:
+            s.add(row)
+            s.flush()
+            info = KeyInfo.of(row)
+        return key, info
+
+    def list(self) -> list[KeyInfo]:
+        with self.db.session() as s:
+            return [KeyInfo.of(r) for r in s.scalars(select(ApiKey).order_by(ApiKey.id))]
+
+    def active_by_hash(self) -> dict[str, KeyInfo]:
+        with self.db.session() as s:
+            rows = s.scalars(select(ApiKey).where(ApiKey.revoked_at.is_(None)))
+            return {r.key_hash: KeyInfo.of(r) for r in rows}
+
+    def find(self, ref: str) -> KeyInfo:
+        """A key by id, by name, by the start of the key (as `keys list` shows it), or by
+        the whole key."""
+        keys = self.list()
+        if ref.isdigit():
+            matches = [k for k in keys if k.id == int(ref)]
+        elif ref.startswith(KEY_PREFIX) and len(ref) > _SHOWN:
+            with self.db.session() as s:
+                row = s.scalar(select(ApiKey).where(ApiKey.key_hash == hash_key(ref)))
+                matches = [KeyInfo.of(row)] if row is not None else []
+        else:
+            matches = [k for k in keys if k.name == ref] or [
+                k for k in keys if k.prefix.startswith(ref) or ref.startswith(k.prefix)]
+        if not matches:
+            raise DatabaseError(f"no key {ref!r}: give an id, a name or a prefix from "
+                                "`llmserve keys list`")
+        if len(matches) > 1:
+            active = [k for k in matches if k.active]
+            if len(active) == 1:
+                return active[0]
+            ids = ", ".join(str(k.id) for k in matches)
+            raise DatabaseError(f"{ref!r} names {len(matches)} keys (ids {ids}); give the id")
+        return matches[0]
+
+    def revoke(self, ref: str) -> KeyInfo:
+        info = self.find(ref)
+        if not info.active:
+            return info
+        with self.db.session() as s:
+            row = s.get(ApiKey, info.id)
+            assert row is not None
+            row.revoked_at = utcnow()
+            s.flush()
+            return KeyInfo.of(row)

@@ -1,0 +1,126 @@
+"""Per-key rate limits: a token bucket for requests and one for tokens, per minute.
+
+A request takes one token from the request bucket when it is admitted. Tokens (prompt +
+completion, as OpenAI counts them) are charged when the request ends, so the token bucket
+may go into debt; a key in debt is refused until its bucket refills above zero. That keeps
+admission cheap (nothing to estimate) and the budget exact over any minute.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TokenBucket:
+    """``capacity`` per minute, refilled continuously; starts full."""
+
+    capacity: float
+    level: float = field(default=math.nan)
+    updated: float = 0.0
+
+    def __post_init__(self) -> None:
+        if math.isnan(self.level):
+            self.level = self.capacity
+
+    @property
+    def rate(self) -> float:  # per second
+        return self.capacity / 60.0
+
+    def refill(self, now: float) -> None:
+        if now > self.updated:
+            self.level = min(self.capacity, self.level + (now - self.updated) * self.rate)
+        self.updated = max(self.updated, now)
+
+    def seconds_until(self, level: float, now: float) -> float:
+        """Seconds until the bucket holds at least ``level``."""
+        self.refill(now)
+        return max(0.0, (level - self.level) / self.rate)
+
+    def take(self, amount: float, now: float) -> bool:
+        self.refill(now)
+        if self.level < amount:
+            return False
+        self.level -= amount
+        return True
+
+    def charge(self, amount: float, now: float) -> None:
+        """Take ``amount`` even if that leaves the bucket in debt."""
+        self.refill(now)
+        self.level -= amount
+
+
+@dataclass(frozen=True)
+class Limits:
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None
+
+
+@dataclass(frozen=True)
+class Decision:
+    allowed: bool
+    retry_after: float  # seconds; 0 when allowed
+    headers: dict[str, str]  # OpenAI's x-ratelimit-* headers
+    reason: str = ""
+
+
+class RateLimiter:
+    """The buckets of every key seen, rebuilt when a key's limits change."""
+
+    def __init__(self) -> None:
+        self._buckets: dict[int, tuple[Limits, TokenBucket | None, TokenBucket | None]] = {}
+
+    def _get(self, key_id: int, limits: Limits, now: float):
+        entry = self._buckets.get(key_id)
+        if entry is None or entry[0] != limits:
+            entry = (limits,
+                     _bucket(limits.requests_per_minute, now),
+                     _bucket(limits.tokens_per_minute, now))
+            self._buckets[key_id] = entry
+        return entry[1], entry[2]
+
+    def admit(self, key_id: int, limits: Limits, now: float) -> Decision:
+        requests, tokens = self._get(key_id, limits, now)
+        if tokens is not None and tokens.seconds_until(1.0, now) > 0:
+            wait = tokens.seconds_until(1.0, now)
+            return Decision(False, wait, self._headers(requests, tokens, now),
+                            f"the key used its {limits.tokens_per_minute} tokens per minute")
+        if requests is not None and not requests.take(1.0, now):
+            wait = requests.seconds_until(1.0, now)
+            return Decision(False, wait, self._headers(requests, tokens, now),
+                            f"the key used its {limits.requests_per_minute} requests per "
+                            "minute")
+        return Decision(True, 0.0, self._headers(requests, tokens, now))
+
+    def charge(self, key_id: int, num_tokens: int, now: float) -> None:
+        entry = self._buckets.get(key_id)
+        if entry is not None and entry[2] is not None:
+            entry[2].charge(num_tokens, now)
+
+    @staticmethod
+    def _headers(requests: TokenBucket | None, tokens: TokenBucket | None,
+                 now: float) -> dict[str, str]:
+        headers: dict[str, str] = {}
+        for kind, bucket in (("requests", requests), ("tokens", tokens)):
+            if bucket is None:
+                continue
+            bucket.refill(now)
+            headers[f"x-ratelimit-limit-{kind}"] = str(int(bucket.capacity))
+            headers[f"x-ratelimit-remaining-{kind}"] = str(max(0, math.floor(bucket.level)))
+            headers[f"x-ratelimit-reset-{kind}"] = duration(
+                bucket.seconds_until(bucket.capacity, now))
+        return headers
+
+
+def _bucket(per_minute: int | None, now: float) -> TokenBucket | None:
+    return None if per_minute is None else TokenBucket(float(per_minute), updated=now)
+
+
+def duration(seconds: float) -> str:
+    """OpenAI's reset format: "1s", "6m0s", "120ms"."""
+    if seconds < 1:
+        return f"{math.ceil(seconds * 1000)}ms"
+    whole = math.ceil(seconds)
+    minutes, secs = divmod(whole, 60)
+    return f"{minutes}m{secs}s" if minutes else f"{secs}s"

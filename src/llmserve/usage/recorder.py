@@ -1,0 +1,154 @@
+"""Usage accounting off the request path: the event loop only appends to a queue; a writer
+thread folds what arrived into per-day rows (and request logs, when on) in one transaction
+about once a second. ``close()`` writes everything still queued, so a clean shutdown loses
+nothing; a failed write is retried at the next flush."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections import defaultdict
+from dataclasses import dataclass, field
+from datetime import date, datetime
+
+from sqlalchemy import select
+
+from llmserve.logger import get_logger
+from llmserve.usage.database import Database
+from llmserve.usage.keys import utcnow
+from llmserve.usage.schema import DailyUsage, RequestLog
+
+logger = get_logger(__name__)
+
+REQUEST_LOG_LEVELS = ("off", "metadata", "full")
+_MAX_PENDING = 100_000  # events kept while the database cannot be written
+
+
+@dataclass(frozen=True)
+class UsageEvent:
+    """One finished request, as its client was billed (the response's usage)."""
+
+    request_id: str
+    key_id: int | None
+    model: str
+    endpoint: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+    finish_reason: str | None = None
+    latency_seconds: float | None = None
+    prompt: str | None = None  # kept only with request logs at "full"
+    output: str | None = None
+    at: datetime = field(default_factory=utcnow)
+
+
+class UsageRecorder:
+    def __init__(self, db: Database, request_log: str = "off",
+                 flush_interval: float = 1.0) -> None:
+        if request_log not in REQUEST_LOG_LEVELS:
+            raise ValueError(f"request log level must be one of {', '.join(REQUEST_LOG_LEVELS)}"
+                             f", got {request_log!r}")
+        self.db = db
+        self.request_log = request_log
+        self.flush_interval = flush_interval
+        self._queue: queue.SimpleQueue[UsageEvent | None] = queue.SimpleQueue()
+        self._pending: list[UsageEvent] = []
+        self._written = 0
+        self._thread = threading.Thread(target=self._run, name="usage-writer", daemon=True)
+        self._thread.start()
+
+    def record(self, event: UsageEvent) -> None:
+        """Thread-safe and non-blocking: safe to call from the event loop."""
+        self._queue.put(event)
+
+    @property
+    def events_written(self) -> int:
+        return self._written
+
+    def flush(self, timeout: float = 10.0) -> None:
+        """Write everything recorded so far (for tests and `close`)."""
+        done = threading.Event()
+        self._queue.put(_Flush(done))  # type: ignore[arg-type]
+        done.wait(timeout)
+
+    def close(self, timeout: float = 30.0) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout)
+        if self._pending:
+            logger.error("usage accounting: %d requests could not be written to %s",
+                         len(self._pending), self.db.url)
+
+    # ---- the writer thread -----------------------------------------------------------------
+
+    def _run(self) -> None:
+        stop = False
+        while not stop:
+            flushes: list[_Flush] = []
+            try:
+                item = self._queue.get(timeout=self.flush_interval)
+                while True:
+                    if item is None:
+                        stop = True
+                    elif isinstance(item, _Flush):
+                        flushes.append(item)
+                    else:
+                        self._pending.append(item)
+                    item = self._queue.get_nowait()
+            except queue.Empty:
+                pass
+            if self._pending:
+                self._write()
+            for f in flushes:
+                f.done.set()
+
+    def _write(self) -> None:
+        events = self._pending
+        try:
+            with self.db.session() as s:
+                self._fold_daily(s, events)
+                if self.request_log != "off":
+                    s.add_all(self._log_row(e) for e in events)
+        except Exception as e:
+            if len(events) > _MAX_PENDING:
+                del events[: len(events) - _MAX_PENDING]
+            logger.warning("usage accounting: writing %d requests failed (%s); retrying",
+                           len(events), e)
+            return
+        self._written += len(events)
+        self._pending = []
+
+    @staticmethod
+    def _fold_daily(session, events: list[UsageEvent]) -> None:
+        totals: dict[tuple[int | None, date, str], list[int]] = defaultdict(lambda: [0] * 4)
+        for e in events:
+            t = totals[(e.key_id, e.at.date(), e.model)]
+            t[0] += 1
+            t[1] += e.prompt_tokens
+            t[2] += e.completion_tokens
+            t[3] += e.cached_tokens
+        for (key_id, day, model), (requests, prompt, completion, cached) in totals.items():
+            key_match = (DailyUsage.key_id.is_(None) if key_id is None
+                         else DailyUsage.key_id == key_id)
+            row = session.scalars(select(DailyUsage).where(
+                key_match, DailyUsage.day == day, DailyUsage.model == model).limit(1)).first()
+            if row is None:
+                row = DailyUsage(key_id=key_id, day=day, model=model, requests=0,
+                                 prompt_tokens=0, completion_tokens=0, cached_tokens=0)
+                session.add(row)
+            row.requests += requests
+            row.prompt_tokens += prompt
+            row.completion_tokens += completion
+            row.cached_tokens += cached
+
+    def _log_row(self, e: UsageEvent) -> RequestLog:
+        full = self.request_log == "full"
+        return RequestLog(request_id=e.request_id, key_id=e.key_id, created_at=e.at,
+                          model=e.model, endpoint=e.endpoint, finish_reason=e.finish_reason,
+                          prompt_tokens=e.prompt_tokens, completion_tokens=e.completion_tokens,
+                          latency_seconds=e.latency_seconds,
+                          prompt=e.prompt if full else None, output=e.output if full else None)
+
+
+@dataclass(frozen=True)
+class _Flush:
+    done: threading.Event
