@@ -1,10 +1,17 @@
 from __future__ import annotations
 
+import os
+import tempfile
+
 import pytest
 
 import llmserve  # noqa: F401  (sets the math library's reproducibility mode before torch)
 from llmserve import envs
 from tests.helpers.tiny_models import build_hf_model, save_hf_model, smollm2_tokenizer
+
+# Servers started by the tests keep their usage database here, never in the user's data
+# directory (whose keys would make every test server require them).
+os.environ["LLMSERVE_DATA_DIR"] = tempfile.mkdtemp(prefix="llmserve-test-data-")
 
 
 @pytest.fixture(scope="session")

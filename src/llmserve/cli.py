@@ -1,4 +1,4 @@
-"""Command line: ``llmserve serve | generate | chat | bench``."""
+"""Command line: ``llmserve serve | generate | chat | bench | keys | usage``."""
 
 from __future__ import annotations
 
@@ -72,7 +72,20 @@ def _build_parser() -> argparse.ArgumentParser:
                      help="close connections whose request headers take longer than this")
     srv.add_argument("--body-timeout", type=float, default=30.0, metavar="SECONDS",
                      help="answer 408 when a request body stalls longer than this")
+    _add_database_args(srv)
+    srv.add_argument("--no-database", action="store_true",
+                     help="no usage database: no keys but --api-key, no usage recorded")
+    srv.add_argument("--request-log", choices=["off", "metadata", "full"], default="off",
+                     help="keep a row per request in the usage database: metadata (key, "
+                          "tokens, latency, finish reason) or full (with prompt and output)")
+    srv.add_argument("--cost-per-hour", type=float, default=None, metavar="PRICE",
+                     help="what the server costs per hour: the console shows the cost per "
+                          "1K output tokens from it")
     srv.set_defaults(func=_cmd_serve)
+
+    from llmserve.usage.cli import add_usage_parsers
+
+    add_usage_parsers(sub, _add_database_args)
 
     from llmserve.bench.cli import add_bench_parser
 
@@ -84,6 +97,15 @@ def _build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default=None, help="system message")
     chat.set_defaults(func=_cmd_chat)
     return parser
+
+
+def _add_database_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--data-dir", default=None, metavar="DIR",
+                   help="where the usage database (llmserve.db: keys, limits, usage) lives "
+                        "(default: $LLMSERVE_DATA_DIR or ~/.local/share/llmserve)")
+    p.add_argument("--database-url", default=None, metavar="URL",
+                   help="any SQLAlchemy URL instead (postgresql://... for servers that "
+                        "share one)")
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -181,7 +203,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                           engine_restart_window=args.engine_restart_window,
                           allowed_hosts=parse_allowed_hosts(args.allowed_hosts, args.host),
                           header_timeout=args.header_timeout,
-                          body_timeout=args.body_timeout)
+                          body_timeout=args.body_timeout,
+                          use_database=not args.no_database, data_dir=args.data_dir,
+                          database_url=args.database_url, request_log=args.request_log,
+                          cost_per_hour=args.cost_per_hour)
     return serve(_engine_config(args), config)
 
 

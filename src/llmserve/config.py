@@ -177,6 +177,14 @@ class ServerConfig:
     allowed_hosts: tuple[str, ...] | None = None
     header_timeout: float = 10.0
     body_timeout: float = 30.0
+    # The usage database (API keys, limits, usage): a SQLAlchemy URL, else SQLite under
+    # data_dir (default: $LLMSERVE_DATA_DIR or the user's data directory); none at all with
+    # use_database False. Request logs: "off", "metadata" or "full" (prompts and outputs).
+    use_database: bool = True
+    data_dir: str | None = None
+    database_url: str | None = None
+    request_log: str = "off"
+    cost_per_hour: float | None = None  # the console's cost per 1K output tokens
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -195,6 +203,11 @@ class ServerConfig:
         if self.engine_restart_window <= 0:
             raise ValueError(f"engine-restart-window must be > 0 seconds, "
                              f"got {self.engine_restart_window}")
+        if self.request_log not in ("off", "metadata", "full"):
+            raise ValueError(f"request-log must be off, metadata or full, got "
+                             f"{self.request_log!r}")
+        if self.cost_per_hour is not None and not 0 <= self.cost_per_hour < float("inf"):
+            raise ValueError(f"cost-per-hour must be a price >= 0, got {self.cost_per_hour}")
         for name in ("header_timeout", "body_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name.replace('_', '-')} must be > 0 seconds, "

@@ -9,7 +9,7 @@ import torch
 
 from llmserve.attention.kv_format import kv_bytes_per_vector, resolve_kv_cache_dtype
 from llmserve.config import EngineConfig
-from llmserve.engine.messages import EngineCoreOutput
+from llmserve.engine.messages import EngineCoreOutput, ModelCard
 from llmserve.engine.request import Request, RequestStatus
 from llmserve.engine.validation import check_request
 from llmserve.host_memory import retain_freed_memory
@@ -48,6 +48,11 @@ class EngineCore:
             spec, cache.kv_cache_memory_gib or default_kv_cache_memory_gib())
         self.max_model_len = self._resolve_max_model_len(num_blocks * cache.block_size)
         logger.info(describe_capacity(spec, num_blocks, self.max_model_len))
+        self.card = ModelCard(
+            arch.architecture, arch.num_parameters, self.loaded.weight_description,
+            self.loaded.weight_bytes, kv_dtype, cache.block_size, spec.bytes_per_token,
+            num_blocks * cache.block_size, str(mc.device),
+            config.speculative.method if config.speculative else None)
 
         # Hashing stays on without prefix caching: then each request family gets its own
         # salt, so only the n sequences of one request share blocks.

@@ -79,7 +79,8 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
         warm_up = core.warm_up()
         out.send(codec.encode(EngineReady(
             os.getpid(), core.max_model_len, core.loaded.arch_config.vocab_size, core.stats(),
-            core.loaded.load_seconds, core.kv_cache_seconds, warm_up, core.loaded.describe())))
+            core.loaded.load_seconds, core.kv_cache_seconds, warm_up, core.loaded.describe(),
+            core.card)))
         EngineLoop(core, inp, out, codec, parent_pid).run()
     except BaseException as e:  # the last word, then a non-zero exit
         user_error = isinstance(e, LLMServeError | ValueError)

@@ -91,6 +91,21 @@ class StepOutputs(msgspec.Struct, tag="step", array_like=True):
     waiting_tokens: int  # prompt tokens of the requests waiting to be scheduled
 
 
+class ModelCard(msgspec.Struct, array_like=True):
+    """What the console shows of the loaded model and its KV cache."""
+
+    architecture: str
+    num_parameters: int
+    weight_format: str
+    weight_bytes: int
+    kv_cache_dtype: str
+    kv_block_size: int
+    kv_bytes_per_token: int
+    kv_capacity_tokens: int
+    device: str
+    speculative: str | None = None
+
+
 class EngineReady(msgspec.Struct, tag="ready", array_like=True):
     pid: int
     max_model_len: int
@@ -100,6 +115,7 @@ class EngineReady(msgspec.Struct, tag="ready", array_like=True):
     kv_cache_seconds: float
     warm_up_seconds: float
     description: str  # the loaded model, one line
+    card: ModelCard
 
 
 class UtilityResult(msgspec.Struct, tag="utility", array_like=True):

@@ -47,6 +47,20 @@ class ArchConfig:
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
 
+    @property
+    def num_parameters(self) -> int:
+        """Parameters of the model as trained (before any quantization)."""
+        h, q, kv = self.hidden_size, self.num_attention_heads, self.num_key_value_heads
+        attention = h * (q + 2 * kv) * self.head_dim + q * self.head_dim * h
+        if self.attention_bias:
+            attention += (q + 2 * kv) * self.head_dim
+        mlp = 3 * h * self.intermediate_size
+        if self.mlp_bias:
+            mlp += 2 * self.intermediate_size + h
+        layer = attention + mlp + 2 * h  # two norms
+        embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_hidden_layers * layer + embeddings + h  # final norm
+
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> ArchConfig:
         """Read a Hugging Face config.json (already parsed)."""

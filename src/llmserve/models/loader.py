@@ -44,14 +44,19 @@ class LoadedModel:
     load_seconds: float = 0.0
     peak_rss_bytes: int = 0  # the process's peak resident memory when loading ended
 
-    def describe(self) -> str:
+    @property
+    def weight_description(self) -> str:
+        """E.g. "int4 (groups of 32) layers, int8 embedding/head"."""
         fmt = self.weight_format
         body = fmt.quantization if fmt.quantization != "none" else fmt.dtype
         if fmt.quantization == "int4":
             body += f" (groups of {fmt.group_size})"
-        return (f"loaded {self.path.name} in {self.load_seconds:.1f} s: {body} layers, "
-                f"{fmt.head_quantization if fmt.quantization != 'none' else fmt.dtype} "
-                f"embedding/head, weights {self.weight_bytes / 2**20:.0f} MiB, "
+        head = fmt.head_quantization if fmt.quantization != "none" else fmt.dtype
+        return f"{body} layers, {head} embedding/head"
+
+    def describe(self) -> str:
+        return (f"loaded {self.path.name} in {self.load_seconds:.1f} s: "
+                f"{self.weight_description}, weights {self.weight_bytes / 2**20:.0f} MiB, "
                 f"peak RSS {self.peak_rss_bytes / 2**20:.0f} MiB")
 
 

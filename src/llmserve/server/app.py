@@ -9,8 +9,8 @@ a worker process (server/tokenizing.py), so that /health and every stream keep t
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -23,6 +23,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from llmserve.config import ServerConfig
 from llmserve.engine.async_llm import AsyncLLM, EngineBusyError, EngineUnavailableError
 from llmserve.sampling_params import StructuredOutputsParams
+from llmserve.server.accounts import ANONYMOUS, Accounts, Gatekeeper, ResponseCounter, send_error
 from llmserve.server.errors import APIError, bad_request, error_body, param_of
 from llmserve.server.http_guard import HTTPGuard
 from llmserve.server.metrics import ServerMetrics
@@ -36,6 +37,7 @@ from llmserve.server.protocol import (
 from llmserve.server.serving import (
     ClientDisconnected,
     Job,
+    JobUsage,
     completion_params,
     make_params,
     respond,
@@ -45,9 +47,7 @@ from llmserve.server.serving import (
 from llmserve.server.tokenizing import TokenizerPool
 from llmserve.server.tools import prompt_messages, tool_call_grammar
 from llmserve.tokenizer.chat_template import ChatTemplateError
-
-# Paths open without the API key (probes and scrapers).
-_OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
+from llmserve.usage import UsageEvent
 
 
 @dataclass
@@ -56,24 +56,26 @@ class ServerState:
 
 
 def build_app(engine: AsyncLLM, config: ServerConfig, metrics: ServerMetrics,
-              state: ServerState, model_name: str) -> FastAPI:
+              state: ServerState, model_name: str, accounts: Accounts) -> FastAPI:
     app = FastAPI(title="llmserve", docs_url="/docs", redoc_url=None,
                   responses={400: {"description": "Invalid request (OpenAI error envelope)"},
                              401: {"description": "Missing or invalid API key"},
                              413: {"description": "Request body too large"},
-                             429: {"description": "Waiting queue full; see Retry-After"},
+                             429: {"description": "Waiting queue full, or the key's rate "
+                                                  "limit reached; see Retry-After"},
                              500: {"description": "The engine failed while running the "
                                                   "request"},
                              503: {"description": "Not ready, restarting or shutting down; "
                                                   "see Retry-After"}})
     tokenizers = TokenizerPool(engine.tokenizer)
     app.state.tokenizers = tokenizers  # the launcher starts and stops its worker
-    # Starlette runs the middleware added last first: guard, then key, then body.
+    app.state.accounts = accounts  # and the usage writer
+    # Starlette runs the middleware added last first: count, guard, key, then body.
     app.add_middleware(BodySizeLimit, max_bytes=config.max_body_bytes,
                        timeout=config.body_timeout)
-    if config.api_key is not None:
-        app.add_middleware(APIKeyCheck, api_key=config.api_key)
+    app.add_middleware(Gatekeeper, accounts=accounts, metrics=metrics)
     app.add_middleware(HTTPGuard, allowed_hosts=config.allowed_hosts)
+    app.add_middleware(ResponseCounter, metrics=metrics)
 
     def serving() -> None:
         if state.draining:
@@ -164,6 +166,22 @@ def build_app(engine: AsyncLLM, config: ServerConfig, metrics: ServerMetrics,
         return {"id": model_name, "object": "model", "created": 0, "owned_by": "llmserve",
                 "max_model_len": engine.max_model_len}
 
+    def console_info() -> dict[str, Any]:
+        """The model card the console shows: the model, its format and KV capacity."""
+        ready = engine.ready_info
+        info: dict[str, Any] = {"model": model_name, "max_model_len": engine.max_model_len,
+                                "cost_per_hour": config.cost_per_hour,
+                                "auth_required": accounts.required}
+        if ready is not None:
+            card = ready.card
+            info.update({f: getattr(card, f) for f in card.__struct_fields__})
+            info["full_context_sequences"] = (round(card.kv_capacity_tokens
+                                                    / engine.max_model_len, 1)
+                                              if engine.max_model_len else None)
+        return info
+
+    app.state.console_info = console_info  # served by the console
+
     @app.get("/v1/models")
     async def models() -> dict:
         return {"object": "list", "data": [model_card()]}
@@ -225,6 +243,7 @@ def build_app(engine: AsyncLLM, config: ServerConfig, metrics: ServerMetrics,
         job = Job(engine.new_request_id("cmpl"), "completion", model_name, prompts, params,
                   req.priority, bool(req.stream_options and req.stream_options.include_usage),
                   echo=req.echo, prompt_logprobs=req.prompt_logprobs)
+        job.on_finish = accounting(raw, job, lambda: req.prompt)
         return await _run(job, req.stream, raw)
 
     @app.post("/v1/chat/completions")
@@ -257,7 +276,29 @@ def build_app(engine: AsyncLLM, config: ServerConfig, metrics: ServerMetrics,
                   tool_names={t["function"]["name"] for t in tools} if mode else None,
                   legacy_functions=req.legacy_functions,
                   prompt_logprobs=params.prompt_logprobs)
+        job.on_finish = accounting(raw, job, lambda: messages)
         return await _run(job, req.stream, raw)
+
+    def accounting(raw: Request, job: Job, prompt) -> Callable[[JobUsage], None]:
+        """What the job's end reports to the usage database and the key's token budget.
+        ``prompt`` is read only when request logs keep prompts."""
+        principal = getattr(raw.state, "principal", ANONYMOUS)
+        endpoint = raw.url.path
+        keep_text = accounts.request_log == "full"
+
+        def finished(usage: JobUsage) -> None:
+            text = None
+            if keep_text:
+                text = prompt()
+                text = text if isinstance(text, str) else json.dumps(text, ensure_ascii=False)
+            accounts.record(principal, UsageEvent(
+                job.request_id, principal.key_id, model_name, endpoint, usage.prompt_tokens,
+                usage.completion_tokens, usage.cached_tokens, usage.finish_reason,
+                usage.latency_seconds, text,
+                (usage.texts[0] if len(usage.texts) == 1 else json.dumps(usage.texts))
+                if keep_text else None))
+
+        return finished
 
     async def _run(job: Job, streaming: bool, raw: Request) -> Response:
         serving()  # the engine may have gone while the prompt was tokenized
@@ -346,27 +387,6 @@ async def _completion_prompts(engine: AsyncLLM, tokenizers: TokenizerPool,
 # ---- ASGI middleware (before any body is read) ---------------------------------------------
 
 
-class APIKeyCheck:
-    """401 in OpenAI's envelope for a missing or wrong key, before the body is read.
-    /health, /ready and /metrics stay open; /docs and /openapi.json do not."""
-
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
-        self.app = app
-        self.api_key = api_key
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in _OPEN_PATHS:
-            return await self.app(scope, receive, send)
-        header = dict(scope.get("headers") or []).get(b"authorization", b"")
-        scheme, _, token = header.decode("latin-1").partition(" ")
-        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(),
-                                                              self.api_key.encode()):
-            return await self.app(scope, receive, send)
-        await _send_error(send, APIError(
-            401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
-            type="authentication_error", code="invalid_api_key"))
-
-
 class BodySizeLimit:
     """Pure ASGI middleware: reads the body before the app does, and answers 413 as soon as
     it exceeds the limit, whether declared (Content-Length) or streamed (chunked)."""
@@ -381,13 +401,13 @@ class BodySizeLimit:
             return await self.app(scope, receive, send)
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            return await _send_error(send, self._error())
+            return await send_error(send, self._error())
         chunks, size = [], 0
         while True:
             try:
                 message = await asyncio.wait_for(receive(), self.timeout)
             except TimeoutError:
-                return await _send_error(send, APIError(
+                return await send_error(send, APIError(
                     408, f"the request body stalled for {self.timeout:g} s (--body-timeout)",
                     code="request_timeout"), close=True)
             if message["type"] != "http.request":
@@ -395,7 +415,7 @@ class BodySizeLimit:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_bytes:
-                return await _send_error(send, self._error())
+                return await send_error(send, self._error())
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
@@ -413,15 +433,3 @@ class BodySizeLimit:
     def _error(self) -> APIError:
         return APIError(413, f"request body is larger than {self.max_bytes} bytes "
                              "(--max-body-bytes)", code="request_too_large")
-
-
-async def _send_error(send: Send, error: APIError, close: bool = False) -> None:
-    body = json.dumps(error.body()).encode()
-    headers = [(b"content-type", b"application/json"),
-               (b"content-length", str(len(body)).encode())]
-    if close:
-        headers.append((b"connection", b"close"))
-    if error.status == 401:
-        headers.append((b"www-authenticate", b"Bearer"))
-    await send({"type": "http.response.start", "status": error.status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})

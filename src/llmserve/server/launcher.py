@@ -21,6 +21,7 @@ from llmserve.config import EngineConfig, ServerConfig
 from llmserve.engine.async_llm import AsyncLLM
 from llmserve.logger import get_logger
 from llmserve.models.loader import load_tokenizer
+from llmserve.server.accounts import Accounts
 from llmserve.server.app import ServerState, build_app
 from llmserve.server.http_guard import MAX_HEADER_BYTES, GuardedH11Protocol
 from llmserve.server.metrics import ServerMetrics
@@ -96,8 +97,19 @@ def create_app(engine_config: EngineConfig,
                       max_restarts=config.engine_max_restarts,
                       restart_window=config.engine_restart_window)
     state = ServerState()
-    app = build_app(engine, config, metrics, state, model_name)
+    app = build_app(engine, config, metrics, state, model_name, open_accounts(config))
     return app, engine, state
+
+
+def open_accounts(config: ServerConfig) -> Accounts:
+    """The keys, limits and usage accounting the server starts with (the usage database is
+    created and migrated here when it is new)."""
+    db = None
+    if config.use_database:
+        from llmserve.usage import Database, database_url
+
+        db = Database(database_url(config.data_dir, config.database_url))
+    return Accounts(config.api_key, db, config.request_log)
 
 
 def process_age_seconds() -> float:
@@ -118,10 +130,13 @@ def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
 async def _serve(engine_config: EngineConfig, config: ServerConfig) -> int:
     started = process_age_seconds()  # interpreter start, imports, arguments
     app, engine, state = create_app(engine_config, config)
+    accounts: Accounts = app.state.accounts
+    logger.info("access: %s", accounts.describe())
     try:
         ready = await engine.start()
     except BaseException:
         await engine.shutdown()
+        await accounts.close()
         raise
     logger.info("ready %.1f s after the process started (imports %.1f s; engine process: "
                 "model load %.1f s, KV cache %.1f s, warm-up %.1f s)", process_age_seconds(),
@@ -135,10 +150,12 @@ async def _serve(engine_config: EngineConfig, config: ServerConfig) -> int:
     server = DrainingServer(uv_config, engine, state, config.shutdown_timeout)
     engine.on_fatal = server.give_up
     app.state.tokenizers.start()
+    accounts.start()
     logger.info("serving %s on http://%s:%d", model_name, config.host, config.port)
     try:
         await server.serve()
     finally:
         app.state.tokenizers.shutdown()
         await engine.shutdown()
+        await accounts.close()  # after the drain: every finished request's usage is written
     return server.exit_code

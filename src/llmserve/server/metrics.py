@@ -28,8 +28,9 @@ class _EngineCounters:
 
     @classmethod
     def of(cls, s: SchedulerStats) -> _EngineCounters:
-        return cls(s.num_steps, s.num_preemptions, s.prefix_queries, s.prefix_hits, s.spec_num_drafts,
-                   s.spec_draft_tokens, s.spec_accepted_tokens, tuple(s.spec_accepted_per_pos))
+        return cls(s.num_steps, s.num_preemptions, s.prefix_queries, s.prefix_hits,
+                   s.spec_num_drafts, s.spec_draft_tokens, s.spec_accepted_tokens,
+                   tuple(s.spec_accepted_per_pos))
 
 
 class ServerMetrics:

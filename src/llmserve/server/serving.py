@@ -53,6 +53,26 @@ class Job:
     created: int = field(default_factory=lambda: int(time.time()))
     echo: bool = False  # completions: the reply's text (and logprobs) start with the prompt
     prompt_logprobs: int | None = None  # as the client asked: returned with the reply
+    # Called once when the job ends, however it ends, with what the client is billed for.
+    on_finish: Callable[[JobUsage], None] | None = None
+    started: float = field(default_factory=time.monotonic)
+
+    def finish(self, completion_tokens: int, cached_tokens: int, finish_reason: str,
+               texts: list[str]) -> None:
+        if self.on_finish is not None:
+            self.on_finish(JobUsage(sum(len(ids) for _, ids in self.prompts),
+                                    completion_tokens, cached_tokens, finish_reason, texts,
+                                    time.monotonic() - self.started))
+
+
+@dataclass(frozen=True)
+class JobUsage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    finish_reason: str  # of the first choice; "abort" (client gone) or "error" otherwise
+    texts: list[str]  # each choice's output text
+    latency_seconds: float
 
 
 class ClientDisconnected(Exception):
@@ -169,19 +189,33 @@ async def respond(engine: AsyncLLM, job: Job, raw: Request) -> dict[str, Any]:
                 outputs[i] = event.output
 
     task = asyncio.ensure_future(collect())
+    ending = "error"
     try:
         while not task.done():
             await asyncio.wait({task}, timeout=0.1)
             if not task.done() and await raw.is_disconnected():
+                ending = "abort"
                 raise ClientDisconnected
         task.result()
+        ending = ""
     finally:
         if not task.done():
             task.cancel()
         with contextlib.suppress(BaseException):
             await task  # let the cancellation land before closing the generator under it
         await events.aclose()
-    return _full_response(engine, job, [outputs[i] for i in range(len(job.prompts))])
+        if ending:  # what finished before the end is billed; the rest never reached anyone
+            done = list(outputs.values())
+            job.finish(sum(len(c.token_ids) for o in done for c in o.outputs),
+                       sum(o.num_cached_tokens for o in done), ending,
+                       [c.text for o in done for c in o.outputs])
+    body = _full_response(engine, job, [outputs[i] for i in range(len(job.prompts))])
+    usage = body["usage"]
+    job.finish(usage["completion_tokens"], usage["prompt_tokens_details"]["cached_tokens"],
+               body["choices"][0]["finish_reason"],
+               [c.get("text", c.get("message", {}).get("content")) or ""
+                for c in body["choices"]])
+    return body
 
 
 def _full_response(engine: AsyncLLM, job: Job, outputs: list[RequestOutput]) -> dict[str, Any]:
@@ -249,6 +283,8 @@ async def _sse(engine: AsyncLLM, job: Job,
     cached_tokens: dict[int, int] = {}  # per prompt, from its final output
     started: set[int] = set()  # choices whose first chunk went out (with the echoed prompt)
     offsets: dict[int, int] = {}  # per choice: text_offset of its next logprobs token
+    texts: dict[int, list[str]] = {}  # per choice, for usage accounting
+    ending = "abort"  # until the stream ends otherwise: the client went away
     try:
         if job.kind == "chat":
             for p in range(len(job.prompts)):
@@ -259,6 +295,7 @@ async def _sse(engine: AsyncLLM, job: Job,
         async for p, event in events:
             if event.error is not None:
                 err = _error_from_event(event)
+                ending = "error"
                 yield f"data: {json.dumps(err.body())}\n\n"
                 break
             if event.output is not None:
@@ -268,6 +305,9 @@ async def _sse(engine: AsyncLLM, job: Job,
                 if not d.token_ids and d.finish_reason is None:
                     continue  # one chunk per token, even while its text is held back
                 index = p * n + d.index
+                texts.setdefault(index, []).append(d.text)
+                if index == 0 and d.finish_reason is not None:
+                    ending = d.finish_reason
                 first = index not in started
                 started.add(index)
                 finish = d.finish_reason
@@ -302,9 +342,12 @@ async def _sse(engine: AsyncLLM, job: Job,
     except asyncio.CancelledError:
         raise
     except Exception as e:  # never leave a stream hanging without a final event
+        ending = "error"
         yield f"data: {json.dumps(error_body(str(e), 'server_error'))}\n\n"
     finally:
         await events.aclose()
+        job.finish(completion_tokens, sum(cached_tokens.values()), ending,
+                   ["".join(texts[i]) for i in sorted(texts)])
     yield "data: [DONE]\n\n"
 
 

@@ -1,0 +1,211 @@
+"""Who may call the server, within which limits, and what each caller used.
+
+Keys come from two places: the single ``--api-key`` (no limits, usage recorded without a
+key) and the usage database's keys (``llmserve keys create``), each with its own limits and
+usage. As soon as either exists, every path but the probes, the metrics and the console's
+static files needs ``Authorization: Bearer KEY``. The database's keys are read again every
+couple of seconds, so a key created or revoked from the command line takes effect in a
+running server without a restart.
+
+The check runs in ASGI middleware, before a body is read; the limits apply to the
+generating endpoints (completions and chat). Usage reaches the database through
+UsageRecorder's writer thread, never on the request's path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import math
+import time
+from dataclasses import dataclass
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from llmserve.logger import get_logger
+from llmserve.server.errors import APIError
+from llmserve.server.metrics import ServerMetrics
+from llmserve.usage import (
+    Database,
+    KeyInfo,
+    KeyStore,
+    RateLimiter,
+    UsageEvent,
+    UsageRecorder,
+    hash_key,
+)
+
+logger = get_logger(__name__)
+
+# Paths open without a key: probes, the scraper, and the console's page and static files
+# (which hold no secret; everything the console reads needs the key).
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/", "/console", "/favicon.ico"})
+OPEN_PREFIXES = ("/console/static/",)
+# What a key's limits apply to.
+LIMITED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+
+
+def is_open(path: str) -> bool:
+    return path in OPEN_PATHS or path.startswith(OPEN_PREFIXES)
+
+
+@dataclass(frozen=True)
+class Principal:
+    """The caller: a database key, or None for the shared --api-key and for servers that
+    require no key."""
+
+    key: KeyInfo | None = None
+
+    @property
+    def key_id(self) -> int | None:
+        return self.key.id if self.key else None
+
+
+ANONYMOUS = Principal()
+
+
+class Accounts:
+    def __init__(self, api_key: str | None, db: Database | None, request_log: str = "off",
+                 refresh_interval: float = 2.0) -> None:
+        self.api_key = api_key
+        self.db = db
+        self.store = KeyStore(db) if db is not None else None
+        self.recorder = UsageRecorder(db, request_log) if db is not None else None
+        self.request_log = request_log
+        self.limiter = RateLimiter()
+        self.refresh_interval = refresh_interval
+        self._keys: dict[str, KeyInfo] = self.store.active_by_hash() if self.store else {}
+        self._refresher: asyncio.Task | None = None
+
+    @property
+    def required(self) -> bool:
+        return self.api_key is not None or bool(self._keys)
+
+    def describe(self) -> str:
+        where = f"usage in {self.db.url}" if self.db else "no usage database"
+        keys = f"{len(self._keys)} active database keys" if self._keys else "no database keys"
+        shared = ", the shared --api-key" if self.api_key else ""
+        return (f"{keys}{shared}; {where}; request logs {self.request_log}"
+                + ("" if self.required else "; no key required"))
+
+    def authenticate(self, token: str) -> Principal | None:
+        if self.api_key is not None and hmac.compare_digest(token.encode(),
+                                                            self.api_key.encode()):
+            return ANONYMOUS
+        key = self._keys.get(hash_key(token))
+        return Principal(key) if key is not None else None
+
+    def record(self, principal: Principal, event: UsageEvent) -> None:
+        if principal.key is not None:
+            self.limiter.charge(principal.key.id, event.prompt_tokens + event.completion_tokens,
+                                time.monotonic())
+        if self.recorder is not None:
+            self.recorder.record(event)
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self.store is not None:
+            self._refresher = asyncio.ensure_future(self._refresh_forever())
+
+    async def _refresh_forever(self) -> None:
+        assert self.store is not None
+        while True:
+            await asyncio.sleep(self.refresh_interval)
+            try:
+                keys = await asyncio.to_thread(self.store.active_by_hash)
+            except Exception as e:  # keep the last good view of the keys
+                logger.warning("reading API keys failed (keeping the last ones read): %s", e)
+                continue
+            if keys.keys() != self._keys.keys():
+                logger.info("API keys changed: %d active", len(keys))
+            self._keys = keys
+
+    async def close(self) -> None:
+        if self._refresher is not None:
+            self._refresher.cancel()
+        if self.recorder is not None:
+            await asyncio.to_thread(self.recorder.close)  # writes what is still queued
+        if self.db is not None:
+            self.db.close()
+
+
+class Gatekeeper:
+    """ASGI middleware: 401 for a missing or unknown key, 429 (Retry-After and OpenAI's
+    x-ratelimit-* headers) for a key over its limits, before the body is read. The caller
+    is left in ``scope["state"]["principal"]`` for the endpoints."""
+
+    def __init__(self, app: ASGIApp, accounts: Accounts, metrics: ServerMetrics) -> None:
+        self.app = app
+        self.accounts = accounts
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or is_open(scope["path"]):
+            return await self.app(scope, receive, send)
+        accounts = self.accounts
+        principal: Principal | None = ANONYMOUS
+        if accounts.required:
+            header = dict(scope.get("headers") or []).get(b"authorization", b"")
+            scheme, _, token = header.decode("latin-1").partition(" ")
+            principal = (accounts.authenticate(token.strip()) if scheme.lower() == "bearer"
+                         else None)
+            if principal is None:
+                return await send_error(send, APIError(
+                    401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                    type="authentication_error", code="invalid_api_key"))
+        scope.setdefault("state", {})["principal"] = principal
+        key = principal.key
+        if key is None or scope["path"] not in LIMITED_PATHS or (
+                key.limits.requests_per_minute is None and key.limits.tokens_per_minute is None):
+            return await self.app(scope, receive, send)
+        decision = accounts.limiter.admit(key.id, key.limits, time.monotonic())
+        if not decision.allowed:
+            self.metrics.on_rejected("rate_limit")
+            wait = max(1, math.ceil(decision.retry_after))
+            return await send_error(send, APIError(
+                429, f"rate limit reached for key '{key.name}': {decision.reason}; try again "
+                     f"in {wait} s", type="rate_limit_error", code="rate_limit_exceeded",
+                headers={"Retry-After": str(wait), **decision.headers}))
+        extra = [(k.encode(), v.encode()) for k, v in decision.headers.items()]
+
+        async def send_with_limits(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), *extra]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_limits)
+
+
+class ResponseCounter:
+    """ASGI middleware, outermost: counts every response by status."""
+
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def counted(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                self.metrics.on_response(message["status"])
+            await send(message)
+
+        await self.app(scope, receive, counted)
+
+
+async def send_error(send: Send, error: APIError, close: bool = False) -> None:
+    """An error in OpenAI's envelope, straight from ASGI middleware."""
+    body = json.dumps(error.body()).encode()
+    headers = [(b"content-type", b"application/json"),
+               (b"content-length", str(len(body)).encode())]
+    headers += [(k.lower().encode(), str(v).encode()) for k, v in (error.headers or {}).items()]
+    if close:
+        headers.append((b"connection", b"close"))
+    if error.status == 401:
+        headers.append((b"www-authenticate", b"Bearer"))
+    await send({"type": "http.response.start", "status": error.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
