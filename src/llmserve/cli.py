@@ -6,15 +6,19 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from llmserve.attention.kv_format import KV_CACHE_DTYPE_CHOICES
-from llmserve.config import quantization_choices
 from llmserve.errors import LLMServeError
-from llmserve.layers.quantization.base import DTYPES, INT4_GROUP_SIZES
-from llmserve.models.loader import DEFAULT_MODEL
+from llmserve.models.names import DEFAULT_MODEL
+from llmserve.usage.cli import add_database_args, add_usage_parsers
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = _build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] in (["keys"], ["usage"]):  # the operator's commands: no torch to import
+        from llmserve.usage.cli import build_parser
+
+        parser = build_parser()
+    else:
+        parser = _build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "command", None):
         parser.print_help()
@@ -72,7 +76,7 @@ def _build_parser() -> argparse.ArgumentParser:
                      help="close connections whose request headers take longer than this")
     srv.add_argument("--body-timeout", type=float, default=30.0, metavar="SECONDS",
                      help="answer 408 when a request body stalls longer than this")
-    _add_database_args(srv)
+    add_database_args(srv)
     srv.add_argument("--no-database", action="store_true",
                      help="no usage database: no keys but --api-key, no usage recorded")
     srv.add_argument("--request-log", choices=["off", "metadata", "full"], default="off",
@@ -83,9 +87,7 @@ def _build_parser() -> argparse.ArgumentParser:
                           "1K output tokens from it")
     srv.set_defaults(func=_cmd_serve)
 
-    from llmserve.usage.cli import add_usage_parsers
-
-    add_usage_parsers(sub, _add_database_args)
+    add_usage_parsers(sub)
 
     from llmserve.bench.cli import add_bench_parser
 
@@ -99,16 +101,11 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _add_database_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--data-dir", default=None, metavar="DIR",
-                   help="where the usage database (llmserve.db: keys, limits, usage) lives "
-                        "(default: $LLMSERVE_DATA_DIR or ~/.local/share/llmserve)")
-    p.add_argument("--database-url", default=None, metavar="URL",
-                   help="any SQLAlchemy URL instead (postgresql://... for servers that "
-                        "share one)")
-
-
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    from llmserve.attention.kv_format import KV_CACHE_DTYPE_CHOICES  # imports torch
+    from llmserve.config import quantization_choices
+    from llmserve.layers.quantization.base import DTYPES, INT4_GROUP_SIZES
+
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help=f"GGUF file, Hugging Face model directory, or a known name "
                         f"(default: {DEFAULT_MODEL})")

@@ -244,9 +244,10 @@ def test_the_engine_process_goes_when_the_server_is_killed(tiny_path, tmp_path):
     raise AssertionError("the engine process outlived the server")
 
 
-def test_scheduler_and_kv_cache_import_without_torch():
-    code = ("import sys, llmserve.scheduler, llmserve.kv_cache, llmserve.engine.messages; "
-            "print('torch' in sys.modules)")
+def test_scheduler_kv_cache_usage_and_cli_import_without_torch():
+    """`llmserve keys ...` and the API server's own parts start without torch."""
+    code = ("import sys, llmserve.scheduler, llmserve.kv_cache, llmserve.engine.messages, "
+            "llmserve.usage, llmserve.cli; print('torch' in sys.modules)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             check=True)
     assert result.stdout.strip() == "False"

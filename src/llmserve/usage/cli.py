@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable
 from datetime import date
 
 from llmserve.usage.database import Database, database_url
@@ -14,7 +13,23 @@ from llmserve.usage.keys import KeyInfo, KeyStore
 from llmserve.usage.report import usage
 
 
-def add_usage_parsers(sub, add_database_args: Callable[[argparse.ArgumentParser], None]) -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """A parser of these commands alone (`llmserve keys ...` starts without torch)."""
+    parser = argparse.ArgumentParser(prog="llmserve")
+    add_usage_parsers(parser.add_subparsers(dest="command"))
+    return parser
+
+
+def add_database_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--data-dir", default=None, metavar="DIR",
+                   help="where the usage database (llmserve.db: keys, limits, usage) lives "
+                        "(default: $LLMSERVE_DATA_DIR or ~/.local/share/llmserve)")
+    p.add_argument("--database-url", default=None, metavar="URL",
+                   help="any SQLAlchemy URL instead (postgresql://... for servers that "
+                        "share one)")
+
+
+def add_usage_parsers(sub) -> None:
     keys = sub.add_parser("keys", help="create, list and revoke API keys")
     keys_sub = keys.add_subparsers(dest="keys_command", required=True)
     create = keys_sub.add_parser("create", help="create a key and print it (once)")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from datetime import date, datetime
 
-from sqlalchemy import Date, DateTime, ForeignKey, Index, Integer, String, Text
+from sqlalchemy import Date, DateTime, Float, ForeignKey, Index, Integer, String, Text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 
@@ -63,6 +63,6 @@ class RequestLog(Base):
     finish_reason: Mapped[str | None] = mapped_column(String(32), default=None)
     prompt_tokens: Mapped[int] = mapped_column(Integer, default=0)
     completion_tokens: Mapped[int] = mapped_column(Integer, default=0)
-    latency_seconds: Mapped[float | None] = mapped_column(default=None)
+    latency_seconds: Mapped[float | None] = mapped_column(Float, default=None)
     prompt: Mapped[str | None] = mapped_column(Text, default=None)
     output: Mapped[str | None] = mapped_column(Text, default=None)

@@ -1,0 +1,193 @@
+"""Keys, limits and usage through a live server: what `llmserve keys` creates is what the
+server accepts; limits answer 429 with Retry-After; usage adds up to the responses' usage;
+revocation takes effect while the server runs; the database survives a restart."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from tests.e2e.conftest import start_server
+
+SHARED = "sk-shared-operator-key"
+
+
+def cli(data_dir, *args: str) -> str:
+    out = subprocess.run([sys.executable, "-m", "llmserve.cli", *args, "--data-dir",
+                          str(data_dir)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def usage_json(data_dir, key: str | None = None) -> dict:
+    return json.loads(cli(data_dir, "usage", "--json", *(["--key", key] if key else [])))
+
+
+def wait_for(predicate, timeout: float = 10.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("usage-data")
+
+
+@pytest.fixture(scope="module")
+def keys(data_dir) -> dict[str, str]:
+    return {
+        "acct": cli(data_dir, "keys", "create", "--name", "acct").strip(),
+        "tiny-budget": cli(data_dir, "keys", "create", "--name", "tiny-budget",
+                           "--tokens-per-minute", "40").strip(),
+        "two-rpm": cli(data_dir, "keys", "create", "--name", "two-rpm",
+                       "--requests-per-minute", "2").strip(),
+        "doomed": cli(data_dir, "keys", "create", "--name", "doomed").strip(),
+    }
+
+
+@pytest.fixture(scope="module")
+def server(tiny_path, keys, data_dir, tmp_path_factory):
+    srv = start_server(tiny_path, tmp_path_factory.mktemp("usage-srv"), "--data-dir",
+                       str(data_dir), "--api-key", SHARED, "--request-log", "full",
+                       "--max-model-len", "512")
+    yield srv
+    srv.stop()
+
+
+def post(server, key: str | None, path: str = "/v1/completions", **body) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    body = {"model": server.model, "prompt": "Hello there", "max_tokens": 8,
+            "temperature": 0, **body}
+    body = {k: v for k, v in body.items() if v is not None}
+    return httpx.post(f"{server.url}{path}", json=body, headers=headers, timeout=60)
+
+
+def test_database_keys_and_the_shared_key_are_accepted(server, keys):
+    assert post(server, keys["acct"]).status_code == 200
+    assert post(server, SHARED).status_code == 200
+    for bad in (None, "sk-llmserve-not-a-key", keys["acct"] + "x"):
+        r = post(server, bad)
+        assert r.status_code == 401
+        assert r.json()["error"]["code"] == "invalid_api_key"
+    # The probes, the scraper and the console's page stay open.
+    for path in ("/health", "/ready", "/metrics"):
+        assert httpx.get(f"{server.url}{path}").status_code == 200
+    assert httpx.get(f"{server.url}/v1/models").status_code == 401
+
+
+def test_a_key_over_its_token_budget_gets_429_and_others_are_unaffected(server, keys):
+    first = post(server, keys["tiny-budget"], max_tokens=40, ignore_eos=True)
+    assert first.status_code == 200
+    assert first.headers["x-ratelimit-limit-tokens"] == "40"
+    used = first.json()["usage"]["total_tokens"]
+    assert used > 40  # the bucket is now in debt
+    refused = post(server, keys["tiny-budget"])
+    assert refused.status_code == 429
+    error = refused.json()["error"]
+    assert error["code"] == "rate_limit_exceeded" and error["type"] == "rate_limit_error"
+    assert "40 tokens per minute" in error["message"]
+    wait = int(refused.headers["Retry-After"])
+    assert 1 <= wait <= 60 * (used - 40 + 1) / 40 + 1
+    assert refused.headers["x-ratelimit-remaining-tokens"] == "0"
+    assert refused.headers["x-ratelimit-reset-tokens"]
+    assert post(server, keys["acct"]).status_code == 200  # another key: unaffected
+    assert post(server, SHARED).status_code == 200
+    m = server.metrics()
+    assert m['llmserve:request_rejected_total{model_name="%s",reason="rate_limit"}'
+             % server.model] >= 1
+
+
+def test_requests_per_minute(server, keys):
+    codes = [post(server, keys["two-rpm"]).status_code for _ in range(3)]
+    assert codes == [200, 200, 429]
+    r = post(server, keys["two-rpm"])
+    assert r.headers["x-ratelimit-limit-requests"] == "2"
+    assert 1 <= int(r.headers["Retry-After"]) <= 30
+    # Limits apply to generation only: the key still reads models and tokenizes.
+    headers = {"Authorization": f"Bearer {keys['two-rpm']}"}
+    assert httpx.get(f"{server.url}/v1/models", headers=headers).status_code == 200
+
+
+def test_usage_totals_equal_the_sum_of_the_responses_usage(server, keys, data_dir):
+    before = usage_json(data_dir, "acct")["totals"]
+    key = keys["acct"]
+    sums = {"requests": 0, "prompt_tokens": 0, "completion_tokens": 0}
+
+    def add(usage: dict) -> None:
+        sums["requests"] += 1
+        sums["prompt_tokens"] += usage["prompt_tokens"]
+        sums["completion_tokens"] += usage["completion_tokens"]
+
+    add(post(server, key, max_tokens=5).json()["usage"])
+    add(post(server, key, prompt="One two three four", max_tokens=12).json()["usage"])
+    add(post(server, key, "/v1/chat/completions", prompt=None,
+             messages=[{"role": "user", "content": "Hi!"}], max_tokens=7).json()["usage"])
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions",
+                      headers={"Authorization": f"Bearer {key}"}, timeout=60,
+                      json={"model": server.model, "max_tokens": 9, "stream": True,
+                            "stream_options": {"include_usage": True},
+                            "messages": [{"role": "user", "content": "Stream it"}]}) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines()
+                  if line.startswith("data: {")]
+    add(chunks[-1]["usage"])
+
+    def grown() -> dict | None:
+        now = usage_json(data_dir, "acct")["totals"]
+        delta = {k: now[k] - before[k] for k in sums}
+        return delta if delta == sums else None
+
+    assert wait_for(grown) == sums
+    rows = usage_json(data_dir, "acct")["rows"]
+    assert {r["model"] for r in rows} == {server.model}
+    assert {r["key_name"] for r in rows} == {"acct"}
+
+
+def test_request_logs_keep_prompts_when_full(server, keys, data_dir):
+    post(server, keys["acct"], prompt="a very particular prompt", max_tokens=3)
+
+    def logged() -> list:
+        with sqlite3.connect(data_dir / "llmserve.db") as conn:
+            return conn.execute("SELECT prompt, output, completion_tokens, endpoint FROM "
+                                "request_logs WHERE prompt = 'a very particular prompt'"
+                                ).fetchall()
+
+    rows = wait_for(logged)
+    assert len(rows) == 1 and rows[0][2] == 3 and rows[0][3] == "/v1/completions"
+
+
+def test_revoked_keys_are_refused_without_a_restart(server, keys, data_dir):
+    assert post(server, keys["doomed"]).status_code == 200
+    cli(data_dir, "keys", "revoke", "doomed")
+    assert wait_for(lambda: post(server, keys["doomed"]).status_code == 401)
+    new = cli(data_dir, "keys", "create", "--name", "late").strip()
+    assert wait_for(lambda: post(server, new).status_code == 200)
+
+
+def test_the_database_survives_a_restart_and_nothing_is_lost_at_shutdown(
+        server, keys, data_dir, tiny_path, tmp_path):
+    sent = [post(server, keys["acct"], max_tokens=4).json()["usage"] for _ in range(3)]
+    assert server.stop() == 0  # right away: the writer's last batch is written at shutdown
+    totals = usage_json(data_dir, "acct")["totals"]
+    again = start_server(tiny_path, tmp_path, "--data-dir", str(data_dir))
+    try:
+        assert post(again, None).status_code == 401  # the database holds keys: required
+        assert post(again, keys["acct"]).status_code == 200
+        assert post(again, keys["doomed"]).status_code == 401
+    finally:
+        again.stop()
+    after = usage_json(data_dir, "acct")["totals"]
+    assert after["requests"] == totals["requests"] + 1
+    assert totals["requests"] >= len(sent)
+    log = open(again.log_path).read()
+    for key in keys.values():
+        assert key not in log and key not in open(server.log_path).read()

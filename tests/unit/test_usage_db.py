@@ -1,0 +1,257 @@
+"""The usage database: migrations, keys, token buckets, the usage writer."""
+
+from __future__ import annotations
+
+import math
+import threading
+from datetime import date
+
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.migration import MigrationContext
+
+from llmserve.usage import (
+    Database,
+    DatabaseError,
+    KeyStore,
+    Limits,
+    RateLimiter,
+    TokenBucket,
+    UsageEvent,
+    UsageRecorder,
+    database_url,
+)
+from llmserve.usage.limits import duration
+from llmserve.usage.report import usage
+from llmserve.usage.schema import Base, RequestLog
+
+
+@pytest.fixture
+def db(tmp_path):
+    d = Database(database_url(tmp_path))
+    yield d
+    d.close()
+
+
+# ---- schema and migrations -----------------------------------------------------------------
+
+
+def test_migrations_build_exactly_the_orm_schema(db):
+    with db.engine.connect() as conn:
+        diff = compare_metadata(MigrationContext.configure(conn), Base.metadata)
+    assert diff == []
+
+
+def test_sqlite_runs_in_wal_mode(db):
+    with db.engine.connect() as conn:
+        assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
+
+
+def test_reopening_keeps_everything(tmp_path):
+    first = Database(database_url(tmp_path))
+    key, info = KeyStore(first).create("alice", 10, 1000)
+    rec = UsageRecorder(first)
+    rec.record(UsageEvent("r1", info.id, "m", "/v1/chat/completions", 3, 4))
+    rec.close()
+    first.close()
+    second = Database(database_url(tmp_path))  # migrations again: a no-op
+    assert [k.name for k in KeyStore(second).list()] == ["alice"]
+    assert KeyStore(second).find(key).id == info.id
+    assert [(r.requests, r.prompt_tokens, r.completion_tokens) for r in usage(second)] == [
+        (1, 3, 4)]
+
+
+def test_bad_database_url_says_which():
+    with pytest.raises(DatabaseError, match="cannot use the database URL"):
+        Database("nosuchdialect://user:secret@host/db")
+    with pytest.raises(DatabaseError) as e:
+        Database("nosuchdialect://user:secret@host/db")
+    assert "secret" not in str(e.value)
+
+
+# ---- keys --------------------------------------------------------------------------------------
+
+
+def test_keys_are_stored_hashed_and_found_by_id_name_prefix_or_key(db):
+    store = KeyStore(db)
+    key, info = store.create("alice", requests_per_minute=5)
+    assert key.startswith("sk-llmserve-") and len(key) > 40
+    with db.engine.connect() as conn:
+        stored = conn.exec_driver_sql("SELECT * FROM api_keys").fetchall()
+    assert key not in repr(stored)  # only its hash and its first characters
+    assert store.find(str(info.id)) == info
+    assert store.find("alice") == info
+    assert store.find(info.prefix) == info
+    assert store.find(key) == info
+    assert store.active_by_hash().popitem()[1] == info
+    with pytest.raises(DatabaseError, match="no key"):
+        store.find("bob")
+
+
+def test_revoked_keys_leave_the_active_set(db):
+    store = KeyStore(db)
+    _, alice = store.create("alice")
+    _, bob = store.create("bob")
+    assert store.revoke("bob").revoked_at is not None
+    assert [k.id for k in store.active_by_hash().values()] == [alice.id]
+    assert store.revoke("bob").revoked_at is not None  # twice: no error
+    assert [k.active for k in store.list()] == [True, False]
+
+
+def test_same_name_twice_needs_the_id(db):
+    store = KeyStore(db)
+    store.create("ci")
+    store.create("ci")
+    with pytest.raises(DatabaseError, match="give the id"):
+        store.find("ci")
+
+
+@pytest.mark.parametrize("kwargs", [{"name": " "}, {"name": "a", "requests_per_minute": 0},
+                                    {"name": "a", "tokens_per_minute": -5}])
+def test_bad_key_settings_are_refused(db, kwargs):
+    with pytest.raises(ValueError):
+        KeyStore(db).create(**kwargs)
+
+
+# ---- token buckets ---------------------------------------------------------------------------
+
+
+def _slow_level(capacity: float, events: list[tuple[float, float]], now: float) -> float:
+    """The bucket's level by replaying every millisecond: refill, then take what is due."""
+    level, t, rate = capacity, 0.0, capacity / 60.0
+    pending = sorted(events)
+    while t < now - 1e-9:
+        t = round(t + 0.001, 6)
+        level = min(capacity, level + 0.001 * rate)
+        while pending and pending[0][0] <= t:
+            level -= pending.pop(0)[1]
+    return level
+
+
+def test_token_bucket_matches_a_slow_replay():
+    bucket = TokenBucket(120.0, updated=0.0)
+    events = [(0.5, 50.0), (1.2, 100.0), (2.0, 30.0)]  # the second puts it in debt
+    for at, amount in events:
+        bucket.charge(amount, at)
+    bucket.refill(3.0)
+    assert bucket.level == pytest.approx(_slow_level(120.0, events, 3.0), abs=0.01)
+
+
+def test_token_bucket_refills_to_capacity_and_no_further():
+    bucket = TokenBucket(60.0, updated=0.0)
+    assert bucket.take(60, 0.0) and not bucket.take(1, 0.0)
+    assert bucket.seconds_until(1, 0.0) == pytest.approx(1.0)
+    assert bucket.take(1, 1.0)
+    bucket.refill(1000.0)
+    assert bucket.level == 60.0
+
+
+def test_request_limit_refuses_with_the_wait_and_headers():
+    limiter, limits = RateLimiter(), Limits(requests_per_minute=2)
+    assert limiter.admit(1, limits, 0.0).allowed
+    ok = limiter.admit(1, limits, 0.0)
+    assert ok.allowed and ok.headers["x-ratelimit-remaining-requests"] == "0"
+    refused = limiter.admit(1, limits, 0.0)
+    assert not refused.allowed and refused.retry_after == pytest.approx(30.0)
+    assert refused.headers["x-ratelimit-limit-requests"] == "2"
+    assert "2 requests per minute" in refused.reason
+    assert limiter.admit(2, limits, 0.0).allowed  # another key: its own bucket
+    assert limiter.admit(1, limits, 30.0).allowed
+
+
+def test_token_limit_admits_until_in_debt_then_waits_it_out():
+    limiter, limits = RateLimiter(), Limits(tokens_per_minute=60)
+    assert limiter.admit(7, limits, 0.0).allowed
+    limiter.charge(7, 90, 0.0)  # one long request: 30 tokens of debt
+    refused = limiter.admit(7, limits, 0.0)
+    assert not refused.allowed
+    assert refused.retry_after == pytest.approx(31.0)  # back to one token: 31 s at 1/s
+    assert refused.headers["x-ratelimit-remaining-tokens"] == "0"
+    assert limiter.admit(7, limits, 31.5).allowed
+
+
+def test_changed_limits_take_effect():
+    limiter = RateLimiter()
+    assert limiter.admit(1, Limits(requests_per_minute=1), 0.0).allowed
+    assert not limiter.admit(1, Limits(requests_per_minute=1), 0.0).allowed
+    assert limiter.admit(1, Limits(requests_per_minute=10), 0.0).allowed
+
+
+@pytest.mark.parametrize(("seconds", "text"), [(0.12, "120ms"), (1.0, "1s"), (59.2, "1m0s"),
+                                               (360.0, "6m0s"), (0.0, "0ms")])
+def test_reset_durations_read_like_openai(seconds, text):
+    assert duration(seconds) == text
+
+
+# ---- the usage writer ----------------------------------------------------------------------
+
+
+def test_usage_adds_up_per_key_day_and_model(db):
+    _, alice = KeyStore(db).create("alice")
+    rec = UsageRecorder(db, flush_interval=0.05)
+    events = [UsageEvent(f"r{i}", alice.id if i % 2 else None, "m" if i < 6 else "n",
+                         "/v1/completions", i, 2 * i, cached_tokens=1) for i in range(10)]
+    for e in events:
+        rec.record(e)
+    rec.flush()
+    for e in events[:3]:  # a second batch folds into the same rows
+        rec.record(e)
+    rec.close()
+    rows = {(r.key_name, r.model): r for r in usage(db)}
+    expected: dict = {}
+    for e in events + events[:3]:
+        key = ("alice" if e.key_id else None, e.model)
+        t = expected.setdefault(key, [0, 0, 0, 0])
+        t[0] += 1
+        t[1] += e.prompt_tokens
+        t[2] += e.completion_tokens
+        t[3] += e.cached_tokens
+    assert {k: [r.requests, r.prompt_tokens, r.completion_tokens, r.cached_tokens]
+            for k, r in rows.items()} == expected
+    assert usage(db, key_id=alice.id, since=date.today()) == [
+        r for r in usage(db) if r.key_id == alice.id]
+
+
+def test_recording_never_waits_for_the_database(db):
+    """The writer holds the database's write lock; record() still returns at once."""
+    rec = UsageRecorder(db, flush_interval=0.05)
+    with db.engine.connect() as conn:
+        conn.exec_driver_sql("BEGIN EXCLUSIVE")  # nobody else can write now
+        done = threading.Event()
+
+        def many() -> None:
+            for i in range(1000):
+                rec.record(UsageEvent(f"r{i}", None, "m", "/v1/completions", 1, 1))
+            done.set()
+
+        threading.Thread(target=many).start()
+        assert done.wait(2.0)
+        conn.exec_driver_sql("ROLLBACK")
+    rec.close()
+    assert sum(r.requests for r in usage(db)) == 1000
+
+
+@pytest.mark.parametrize("level", ["off", "metadata", "full"])
+def test_request_logs_keep_text_only_when_asked(db, level):
+    rec = UsageRecorder(db, request_log=level)
+    rec.record(UsageEvent("r1", None, "m", "/v1/chat/completions", 3, 4, finish_reason="stop",
+                          latency_seconds=0.5, prompt="secret prompt", output="the answer"))
+    rec.close()
+    with db.session() as s:
+        logs = s.query(RequestLog).all()
+        if level == "off":
+            assert logs == []
+            return
+        (log,) = logs
+        assert (log.request_id, log.prompt_tokens, log.completion_tokens,
+                log.finish_reason) == ("r1", 3, 4, "stop")
+        assert math.isclose(log.latency_seconds, 0.5)
+        if level == "full":
+            assert (log.prompt, log.output) == ("secret prompt", "the answer")
+        else:
+            assert log.prompt is None and log.output is None
+
+
+def test_unknown_request_log_level_is_refused(db):
+    with pytest.raises(ValueError, match="off, metadata, full"):
+        UsageRecorder(db, request_log="everything")
