@@ -165,6 +165,22 @@ def test_request_logs_keep_prompts_when_full(server, keys, data_dir):
     assert len(rows) == 1 and rows[0][2] == 3 and rows[0][3] == "/v1/completions"
 
 
+def test_responses_by_status_and_step_sizes_are_metrics(server, keys):
+    """What the console's dashboard plots: responses by status, and each step's batch."""
+    post(server, keys["acct"], max_tokens=6)
+    post(server, "wrong-key")
+    m = server.metrics()
+    label = f'model_name="{server.model}"'
+    assert m[f'llmserve:http_responses_total{{{label},status="200"}}'] >= 1
+    assert m[f'llmserve:http_responses_total{{{label},status="401"}}'] >= 1
+    assert m[f'llmserve:http_responses_total{{{label},status="429"}}'] >= 1  # tests above
+    steps = m["llmserve:iteration_batch_size_count"]
+    assert steps >= 6  # at least one step per generated token
+    assert m["llmserve:iteration_tokens_total_count"] == steps
+    assert m["llmserve:iteration_batch_size_sum"] >= steps  # at least one sequence a step
+    assert m["llmserve:iteration_tokens_total_sum"] >= m["llmserve:iteration_batch_size_sum"]
+
+
 def test_revoked_keys_are_refused_without_a_restart(server, keys, data_dir):
     assert post(server, keys["doomed"]).status_code == 200
     cli(data_dir, "keys", "revoke", "doomed")
