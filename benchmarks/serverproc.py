@@ -1,5 +1,8 @@
 """A `llmserve serve` process for benchmarks: started on a free port, ready when /ready says
-so, stopped with SIGTERM (a drain, as in production). Shared by the benchmark scripts."""
+so, stopped with SIGTERM (a drain, as in production). Shared by the benchmark scripts.
+
+Its usage database is a fresh one in the log's directory unless the arguments name one, so
+that keys in the user's own data directory never make a benchmark server require them."""
 
 from __future__ import annotations
 
@@ -26,10 +29,12 @@ class LocalServer:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
+        env = {"LLMSERVE_DATA_DIR": os.path.join(os.path.dirname(log_path) or ".",
+                                                 f"{name}-data"), **(env or {})}
         with open(log_path, "w") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "llmserve.cli", "serve", "--port", str(self.port),
-                 *args], stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+                 *args], stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env})
         deadline = time.monotonic() + timeout
         while True:
             if self.proc.poll() is not None:

@@ -20,14 +20,11 @@ import asyncio
 import json
 import os
 import random
-import signal
-import socket
-import subprocess
-import sys
 import tempfile
 import time
 
 import httpx
+from serverproc import LocalServer
 
 SCHEMA = {
     "type": "object", "additionalProperties": False,
@@ -56,12 +53,6 @@ def prompts(n: int, seed: int) -> list[str]:
                    f"a {job}. In free time: {hobbies[0]} and {hobbies[1]}.\n"
                    "Extract name, age, city, job and hobbies as JSON.")
     return out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def run_level(url: str, model: str, texts: list[str], concurrency: int,
@@ -105,23 +96,11 @@ def main() -> None:
     ap.add_argument("--output", default=None)
     args = ap.parse_args()
 
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = tempfile.NamedTemporaryFile("w", suffix=".log", delete=False)  # noqa: SIM115
-    proc = subprocess.Popen([sys.executable, "-m", "llmserve.cli", "serve", "--model",
-                             args.model, "--port", str(port), *args.server_args.split()],
-                            stdout=log, stderr=subprocess.STDOUT)
+    log_dir = tempfile.mkdtemp(prefix="structured-bench-")
+    server = LocalServer(["--model", args.model, *args.server_args.split()],
+                         os.path.join(log_dir, "server.log"))
+    url = server.url
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"server did not start; see {log.name}")
-            try:
-                if httpx.get(f"{url}/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
         print(f"{'streams':>7} {'requests':>8} {'free tok/s':>10} {'json tok/s':>10} "
               f"{'ratio':>6}  repeats (json/free)")
         results = []
@@ -156,9 +135,7 @@ def main() -> None:
                 json.dump({"model": args.model, "server_args": args.server_args,
                            "results": results}, f, indent=1)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(60)
-        os.unlink(log.name)
+        server.stop()
 
 
 if __name__ == "__main__":
