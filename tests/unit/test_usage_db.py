@@ -91,7 +91,7 @@ def test_keys_are_stored_hashed_and_found_by_id_name_prefix_or_key(db):
 def test_revoked_keys_leave_the_active_set(db):
     store = KeyStore(db)
     _, alice = store.create("alice")
-    _, bob = store.create("bob")
+    store.create("bob")
     assert store.revoke("bob").revoked_at is not None
     assert [k.id for k in store.active_by_hash().values()] == [alice.id]
     assert store.revoke("bob").revoked_at is not None  # twice: no error

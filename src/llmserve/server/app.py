@@ -24,6 +24,7 @@ from llmserve.config import ServerConfig
 from llmserve.engine.async_llm import AsyncLLM, EngineBusyError, EngineUnavailableError
 from llmserve.sampling_params import StructuredOutputsParams
 from llmserve.server.accounts import ANONYMOUS, Accounts, Gatekeeper, ResponseCounter, send_error
+from llmserve.server.console import mount_console
 from llmserve.server.errors import APIError, bad_request, error_body, param_of
 from llmserve.server.http_guard import HTTPGuard
 from llmserve.server.metrics import ServerMetrics
@@ -180,7 +181,7 @@ def build_app(engine: AsyncLLM, config: ServerConfig, metrics: ServerMetrics,
                                               if engine.max_model_len else None)
         return info
 
-    app.state.console_info = console_info  # served by the console
+    mount_console(app, console_info)
 
     @app.get("/v1/models")
     async def models() -> dict:

@@ -1,0 +1,88 @@
+// Talking to the server: the key lives in this tab's sessionStorage only and travels in the
+// Authorization header, never in a URL. Paths are relative, so the console works behind a
+// reverse proxy that serves it under a prefix.
+
+const KEY = "llmserve.apiKey";
+
+export class AuthError extends Error {}
+
+export class APIError extends Error {
+  constructor(status, message, code) {
+    super(message);
+    this.status = status;
+    this.code = code;
+  }
+}
+
+export function apiKey() {
+  return sessionStorage.getItem(KEY) || "";
+}
+
+export function setApiKey(key) {
+  if (key) sessionStorage.setItem(KEY, key);
+  else sessionStorage.removeItem(KEY);
+}
+
+export function headers(extra = {}) {
+  const key = apiKey();
+  return key ? { ...extra, Authorization: `Bearer ${key}` } : { ...extra };
+}
+
+// The message of an error in OpenAI's envelope, or the status line.
+export async function errorOf(response) {
+  let message = `${response.status} ${response.statusText}`;
+  let code;
+  try {
+    const body = await response.json();
+    if (body && body.error) {
+      message = body.error.message || message;
+      code = body.error.code;
+    }
+  } catch (_) { /* not JSON */ }
+  if (response.status === 401) return new AuthError(message);
+  const retry = response.headers.get("Retry-After");
+  if (retry) message += ` (retry after ${retry} s)`;
+  return new APIError(response.status, message, code);
+}
+
+export async function getJSON(path) {
+  const response = await fetch(path, { headers: headers(), cache: "no-store" });
+  if (!response.ok) throw await errorOf(response);
+  return response.json();
+}
+
+export async function getText(path) {
+  const response = await fetch(path, { headers: headers(), cache: "no-store" });
+  if (!response.ok) throw await errorOf(response);
+  return response.text();
+}
+
+// POST a streaming request and call onEvent(object) for each server-sent event's JSON;
+// returns when the stream ends ([DONE] or the connection closes).
+export async function postStream(path, body, onEvent, signal) {
+  const response = await fetch(path, {
+    method: "POST",
+    headers: headers({ "Content-Type": "application/json", Accept: "text/event-stream" }),
+    body: JSON.stringify(body),
+    signal,
+  });
+  if (!response.ok) throw await errorOf(response);
+  const reader = response.body.getReader();
+  const decoder = new TextDecoder();
+  let buffer = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) break;
+    buffer += decoder.decode(value, { stream: true });
+    let end;
+    while ((end = buffer.indexOf("\n\n")) >= 0) {
+      const event = buffer.slice(0, end);
+      buffer = buffer.slice(end + 2);
+      const data = event.split("\n").filter((l) => l.startsWith("data:"))
+        .map((l) => l.slice(5).trimStart()).join("\n");
+      if (!data) continue;
+      if (data === "[DONE]") return;
+      onEvent(JSON.parse(data));
+    }
+  }
+}
