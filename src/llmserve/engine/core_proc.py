@@ -91,11 +91,15 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
             out.send(codec.encode(EngineFailed(message, user_error)), zmq.NOBLOCK)
         out.close(linger=2000)
         inp.close(linger=0)
+        # Closing only queues the message; terminating the context waits (up to the
+        # linger) until ZeroMQ's I/O thread has delivered it. os._exit would drop it.
+        ctx.term()
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)
     out.close(linger=2000)
     inp.close(linger=0)
+    ctx.term()
 
 
 class EngineLoop:
