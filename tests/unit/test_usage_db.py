@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from datetime import date
 
 import pytest
@@ -229,6 +230,29 @@ def test_recording_never_waits_for_the_database(db):
         conn.exec_driver_sql("ROLLBACK")
     rec.close()
     assert sum(r.requests for r in usage(db)) == 1000
+
+
+def test_requests_arriving_one_by_one_are_written_together(db, monkeypatch):
+    """One transaction per flush interval, not one per request (a commit costs the API
+    server more CPU than the request's own HTTP handling)."""
+    writes: list[int] = []
+    original = UsageRecorder._write
+
+    def counting(self) -> None:
+        writes.append(len(self._pending))
+        original(self)
+
+    monkeypatch.setattr(UsageRecorder, "_write", counting)
+    rec = UsageRecorder(db, flush_interval=0.5)
+    start = time.monotonic()
+    for i in range(40):
+        rec.record(UsageEvent(f"r{i}", None, "m", "/v1/completions", 1, 1))
+        time.sleep(0.005)
+    elapsed = time.monotonic() - start
+    rec.close()
+    assert sum(writes) == 40
+    assert len(writes) <= 2 + int(elapsed / 0.5), writes
+    assert sum(r.requests for r in usage(db)) == 40
 
 
 @pytest.mark.parametrize("level", ["off", "metadata", "full"])

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from datetime import date, datetime
@@ -51,7 +52,7 @@ class UsageRecorder:
         self.db = db
         self.request_log = request_log
         self.flush_interval = flush_interval
-        self._queue: queue.SimpleQueue[UsageEvent | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[UsageEvent | _Flush | None] = queue.SimpleQueue()
         self._pending: list[UsageEvent] = []
         self._written = 0
         self._thread = threading.Thread(target=self._run, name="usage-writer", daemon=True)
@@ -68,7 +69,7 @@ class UsageRecorder:
     def flush(self, timeout: float = 10.0) -> None:
         """Write everything recorded so far (for tests and `close`)."""
         done = threading.Event()
-        self._queue.put(_Flush(done))  # type: ignore[arg-type]
+        self._queue.put(_Flush(done))
         done.wait(timeout)
 
     def close(self, timeout: float = 30.0) -> None:
@@ -84,22 +85,35 @@ class UsageRecorder:
         stop = False
         while not stop:
             flushes: list[_Flush] = []
-            try:
-                item = self._queue.get(timeout=self.flush_interval)
-                while True:
-                    if item is None:
-                        stop = True
-                    elif isinstance(item, _Flush):
-                        flushes.append(item)
-                    else:
-                        self._pending.append(item)
+            # Gather for one interval (a commit per request would cost the server more CPU
+            # than the request's own HTTP handling), or until asked to flush or stop.
+            deadline = time.monotonic() + self.flush_interval
+            while not flushes and not stop:
+                try:
+                    item = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
+                except queue.Empty:
+                    break
+                stop = self._take(item, flushes)
+            while not stop:  # and whatever else is already queued
+                try:
                     item = self._queue.get_nowait()
-            except queue.Empty:
-                pass
+                except queue.Empty:
+                    break
+                stop = self._take(item, flushes)
             if self._pending:
                 self._write()
             for f in flushes:
                 f.done.set()
+
+    def _take(self, item: UsageEvent | _Flush | None, flushes: list[_Flush]) -> bool:
+        """File one queued item; True for the stop mark."""
+        if item is None:
+            return True
+        if isinstance(item, _Flush):
+            flushes.append(item)
+        else:
+            self._pending.append(item)
+        return False
 
     def _write(self) -> None:
         events = self._pending
