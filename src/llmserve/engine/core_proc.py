@@ -51,6 +51,7 @@ from llmserve.engine.messages import (
     UtilityResult,
 )
 from llmserve.errors import LLMServeError
+from llmserve.gc_freeze import freeze_startup_objects
 from llmserve.logger import get_logger
 
 logger = get_logger(__name__)
@@ -77,6 +78,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
 
         core = EngineCore(config)
         warm_up = core.warm_up()
+        freeze_startup_objects("engine process")
         out.send(codec.encode(EngineReady(
             os.getpid(), core.max_model_len, core.loaded.arch_config.vocab_size, core.stats(),
             core.loaded.load_seconds, core.kv_cache_seconds, warm_up, core.loaded.describe(),

@@ -19,6 +19,7 @@ from fastapi import FastAPI
 
 from llmserve.config import EngineConfig, ServerConfig
 from llmserve.engine.async_llm import AsyncLLM
+from llmserve.gc_freeze import freeze_startup_objects
 from llmserve.logger import get_logger
 from llmserve.models.loader import load_tokenizer
 from llmserve.server.accounts import Accounts
@@ -151,6 +152,7 @@ async def _serve(engine_config: EngineConfig, config: ServerConfig) -> int:
     engine.on_fatal = server.give_up
     app.state.tokenizers.start()
     accounts.start()
+    freeze_startup_objects("API server")
     logger.info("serving %s on http://%s:%d", model_name, config.host, config.port)
     try:
         await server.serve()
