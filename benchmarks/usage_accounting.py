@@ -86,9 +86,10 @@ def main() -> None:
                                   args.max_tokens))
         seconds = {"on": 0.0, "off": 0.0}
         latencies: dict[str, list[float]] = {"on": [], "off": []}
-        ratios = []
+        ratios: list[float] = []
+        p99_ratios: list[float] = []
         for r in range(args.rounds):
-            rps = {}
+            rps, tails = {}, {}
             for name in (("on", "off") if r % 2 == 0 else ("off", "on")):
                 wall, lat = asyncio.run(one_round(sides[name].url, keys[name], args.model,
                                                   args.requests, args.concurrency,
@@ -96,9 +97,12 @@ def main() -> None:
                 seconds[name] += wall
                 latencies[name] += lat
                 rps[name] = args.requests / wall
+                tails[name] = 1000 * p99(lat)
             ratios.append(rps["on"] / rps["off"])
-            print(f"round {r}: on {rps['on']:.1f} req/s, off {rps['off']:.1f} req/s, "
-                  f"on/off {ratios[-1]:.3f}", flush=True)
+            p99_ratios.append(tails["on"] / tails["off"])
+            print(f"round {r}: on {rps['on']:.1f} req/s p99 {tails['on']:.0f} ms, off "
+                  f"{rps['off']:.1f} req/s p99 {tails['off']:.0f} ms; on/off req/s "
+                  f"{ratios[-1]:.3f}, p99 {p99_ratios[-1]:.3f}", flush=True)
         total = args.requests * args.rounds
         result = {name: {"requests_per_s": total / seconds[name],
                          "p50_ms": 1000 * sorted(latencies[name])[len(latencies[name]) // 2],
@@ -123,6 +127,7 @@ def main() -> None:
                            "requests_per_round": args.requests, "rounds": args.rounds,
                            "concurrency": args.concurrency, "max_tokens": args.max_tokens,
                            "result": result, "ratio": ratio, "round_ratios": ratios,
+                           "round_p99_ratios": p99_ratios,
                            "recorded": recorded, "sent": total + 16}, f,
                           indent=1)
     finally:
