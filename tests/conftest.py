@@ -15,6 +15,18 @@ os.environ["LLMSERVE_DATA_DIR"] = tempfile.mkdtemp(prefix="llmserve-test-data-")
 
 
 @pytest.fixture(scope="session")
+def postgres():
+    """A throwaway PostgreSQL server (Debian's binaries); .new_database() gives a URL."""
+    from tests.helpers.postgres import PostgresMissing, temporary_postgres
+
+    try:
+        with temporary_postgres() as pg:
+            yield pg
+    except PostgresMissing as e:
+        pytest.fail(str(e))
+
+
+@pytest.fixture(scope="session")
 def smol_tokenizer():
     return smollm2_tokenizer()
 

@@ -1,4 +1,4 @@
-"""The web console in a real browser: Playwright driving Debian's chromium (`make browser`
+"""The web console in a real browser: Playwright driving Debian's chromium (`make system-deps`
 installs it) against a live server. Sign-in with a key (kept out of URLs and logs), a
 streamed chat answer with its TTFT and tokens/s, Stop (the server aborts the request),
 Copy and Regenerate, the dashboard's plots moving while requests run, the model card,
@@ -31,7 +31,7 @@ CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-
 @pytest.fixture(scope="module")
 def browser():
     if not os.access(CHROMIUM, os.X_OK):
-        pytest.fail(f"{CHROMIUM} not found: `make browser` installs Debian's chromium "
+        pytest.fail(f"{CHROMIUM} not found: `make system-deps` installs Debian's chromium "
                     "(or set LLMSERVE_CHROMIUM to a Chromium binary)")
     with playwright_sync.sync_playwright() as p:
         b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)

@@ -208,3 +208,28 @@ def test_the_database_survives_a_restart_and_nothing_is_lost_at_shutdown(
     logs = Path(again.log_path).read_text() + Path(server.log_path).read_text()
     for key in keys.values():
         assert key not in logs
+
+
+def test_a_server_on_postgresql(postgres, tiny_path, tmp_path):
+    """`--database-url` for servers that share a database: keys made by the CLI on one
+    PostgreSQL database are required by a server on it, and its usage lands there."""
+    url = postgres.new_database("server")
+
+    def pg_cli(*args: str) -> str:
+        out = subprocess.run([sys.executable, "-m", "llmserve.cli", *args, "--database-url",
+                              url], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        return out.stdout
+
+    key = pg_cli("keys", "create", "--name", "shared-db", "--tokens-per-minute", "100000").strip()
+    srv = start_server(tiny_path, tmp_path, "--database-url", url)
+    try:
+        assert post(srv, None).status_code == 401
+        sent = [post(srv, key, max_tokens=n).json()["usage"] for n in (3, 5)]
+    finally:
+        assert srv.stop() == 0
+    totals = json.loads(pg_cli("usage", "--json", "--key", "shared-db"))["totals"]
+    assert totals["requests"] == 2
+    assert totals["prompt_tokens"] == sum(u["prompt_tokens"] for u in sent)
+    assert totals["completion_tokens"] == sum(u["completion_tokens"] for u in sent) == 8
+    assert url.split("@")[1] in Path(srv.log_path).read_text()  # the log says where usage goes

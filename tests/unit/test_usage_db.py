@@ -43,6 +43,36 @@ def test_migrations_build_exactly_the_orm_schema(db):
     assert diff == []
 
 
+def test_on_postgresql_migrations_keys_usage_and_request_logs(postgres):
+    """The same schema and code on a real PostgreSQL server (servers that share one)."""
+    url = postgres.new_database("usage")
+    first = Database(url)
+    with first.engine.connect() as conn:
+        assert first.engine.dialect.name == "postgresql"
+        assert compare_metadata(MigrationContext.configure(conn), Base.metadata) == []
+    store = KeyStore(first)
+    key, alice = store.create("alice", 10, 1000)
+    store.create("bob")
+    store.revoke("bob")
+    rec = UsageRecorder(first, request_log="full", flush_interval=0.05)
+    for i in range(5):
+        rec.record(UsageEvent(f"r{i}", alice.id if i % 2 else None, "m", "/v1/completions",
+                              i, 2 * i, cached_tokens=1, prompt=f"p{i}", output=f"o{i}"))
+    rec.close()
+    first.close()
+    second = Database(url)  # migrations again: a no-op
+    assert [k.name for k in KeyStore(second).list()] == ["alice", "bob"]
+    assert [k.id for k in KeyStore(second).active_by_hash().values()] == [alice.id]
+    assert KeyStore(second).find(key).limits.tokens_per_minute == 1000
+    rows = {r.key_name: (r.requests, r.prompt_tokens, r.completion_tokens, r.cached_tokens)
+            for r in usage(second)}
+    assert rows == {"alice": (2, 1 + 3, 2 + 6, 2), None: (3, 0 + 2 + 4, 0 + 4 + 8, 3)}
+    with second.session() as s:
+        logs = s.query(RequestLog).order_by(RequestLog.request_id).all()
+        assert [(r.prompt, r.output) for r in logs] == [(f"p{i}", f"o{i}") for i in range(5)]
+    second.close()
+
+
 def test_sqlite_runs_in_wal_mode(db):
     with db.engine.connect() as conn:
         assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
