@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 import threading
 import time
 from datetime import date
@@ -71,6 +73,29 @@ def test_on_postgresql_migrations_keys_usage_and_request_logs(postgres):
         logs = s.query(RequestLog).order_by(RequestLog.request_id).all()
         assert [(r.prompt, r.output) for r in logs] == [(f"p{i}", f"o{i}") for i in range(5)]
     second.close()
+
+
+def _open_at_once(url: str, n: int = 6) -> list[str]:
+    """n processes opening (and so migrating) the same new database at the same moment;
+    the errors of those that failed."""
+    code = "import sys; from llmserve.usage import Database; Database(sys.argv[1]).close()"
+    procs = [subprocess.Popen([sys.executable, "-c", code, url], stderr=subprocess.PIPE,
+                              text=True) for _ in range(n)]
+    return [err[-500:] for p in procs if (err := p.communicate(timeout=120)[1]) and p.returncode]
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_servers_opening_a_new_database_at_once_all_start(backend, tmp_path, request):
+    for trial in range(3 if backend == "postgresql" else 1):  # the race is not every time
+        if backend == "sqlite":
+            url = database_url(tmp_path / f"trial{trial}")
+        else:
+            url = request.getfixturevalue("postgres").new_database("race")
+        assert _open_at_once(url) == []
+        db = Database(url)
+        with db.engine.connect() as conn:
+            assert compare_metadata(MigrationContext.configure(conn), Base.metadata) == []
+        db.close()
 
 
 def test_sqlite_runs_in_wal_mode(db):

@@ -5,6 +5,7 @@ Alembic whenever it is opened."""
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -16,6 +17,8 @@ from llmserve.errors import LLMServeError
 
 DATABASE_FILE = "llmserve.db"
 _MIGRATIONS = Path(__file__).parent / "migrations"
+_MIGRATION_ATTEMPTS = 3
+_MIGRATION_LOCK_ID = 0x6C6C6D73  # "llms": the advisory lock migrations take on PostgreSQL
 
 
 class DatabaseError(LLMServeError):
@@ -60,19 +63,29 @@ class Database:
         self.migrate()
 
     def migrate(self) -> None:
-        """Bring the schema to the newest revision (a no-op when it is there)."""
+        """Bring the schema to the newest revision (a no-op when it is there). Servers and
+        commands that open a new database at the same moment take turns: on PostgreSQL
+        behind a transaction-scoped advisory lock, elsewhere by trying again after a
+        loser's failed CREATE, which then finds the schema in place."""
         from alembic import command
         from alembic.config import Config
 
         config = Config()
         config.set_main_option("script_location", str(_MIGRATIONS))
-        try:
-            with self.engine.begin() as connection:
-                config.attributes["connection"] = connection
-                command.upgrade(config, "head")
-        except Exception as e:
-            raise DatabaseError(f"cannot open the usage database {_redacted(self.url)}: "
-                                f"{e}") from None
+        for attempt in range(_MIGRATION_ATTEMPTS):
+            try:
+                with self.engine.begin() as connection:
+                    if connection.dialect.name == "postgresql":
+                        connection.exec_driver_sql(
+                            f"SELECT pg_advisory_xact_lock({_MIGRATION_LOCK_ID})")
+                    config.attributes["connection"] = connection
+                    command.upgrade(config, "head")
+                return
+            except Exception as e:
+                if attempt + 1 == _MIGRATION_ATTEMPTS:
+                    raise DatabaseError(f"cannot open the usage database "
+                                        f"{_redacted(self.url)}: {e}") from None
+                time.sleep(0.1 * (attempt + 1))
 
     @contextmanager
     def session(self) -> Iterator[Session]:
