@@ -17,8 +17,9 @@ from llmserve.engine.request import Request, RequestStatus
 from llmserve.runner.model_runner import accepted_prefix, token_seed
 from llmserve.sample.sampler import Sampler, SamplingRow
 from llmserve.sampling_params import SamplingParams
-from llmserve.scheduler.output import ModelRunnerOutput, SchedulerOutput
-from llmserve.spec_decode import StepCost, ngram_propose, plan_drafts
+from llmserve.scheduler.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from llmserve.spec_decode import NgramProposer, Speculator, StepCost, ngram_propose, plan_drafts
+from llmserve.spec_decode.planner import ArmStats, batch_bucket, guard_allows
 from tests.unit.test_sampling_distribution import CHI2_CRIT_0001
 from tests.unit.test_scheduler import make, req
 
@@ -127,6 +128,81 @@ def test_a_costly_proposer_speculates_less():
     assert plan_drafts([0.8], [4], propose_seconds=0.004, **kw) == [2]
     # As slow as the target: never worth it.
     assert plan_drafts([0.8], [4], propose_seconds=0.015, **kw) == [0]
+
+
+# ---- the guard: what steps actually cost ------------------------------------------------
+
+
+def test_arm_stats_are_exponentially_weighted_means_per_token():
+    arm = ArmStats()
+    samples = [(True, 0.030, 3), (False, 0.010, 1), (True, 0.040, 2), (True, 0.033, 3),
+               (False, 0.012, 1), (True, 0.0, 2), (False, 0.02, 0)]  # last two: ignored
+    arm_spec = arm_plain = None
+    for speculated, seconds, emitted in samples:
+        arm.observe(speculated, seconds, emitted)
+        if emitted <= 0 or seconds <= 0:
+            continue
+        x = seconds / emitted
+        if speculated:
+            arm_spec = x if arm_spec is None else 0.9 * arm_spec + 0.1 * x
+        else:
+            arm_plain = x if arm_plain is None else 0.9 * arm_plain + 0.1 * x
+    assert (arm.spec_n, arm.plain_n) == (3, 2)
+    assert arm.spec == pytest.approx(arm_spec) and arm.plain == pytest.approx(arm_plain)
+
+
+def test_guard_measures_both_kinds_of_step_then_keeps_the_faster():
+    fresh = ArmStats()
+    # Nothing measured plain yet: every other step plain, to measure both.
+    assert [guard_allows(fresh, d) for d in range(6)] == [False, True] * 3
+    plain_known = ArmStats(plain=0.010, plain_n=8)
+    assert all(guard_allows(plain_known, d) for d in range(32))  # spec must be measured
+    faster = ArmStats(plain=0.010, plain_n=8, spec=0.006, spec_n=8)
+    slower = ArmStats(plain=0.010, plain_n=8, spec=0.012, spec_n=8)
+    assert [guard_allows(faster, d) for d in range(16)] == [True] * 15 + [False]
+    assert [guard_allows(slower, d) for d in range(16)] == [False] * 15 + [True]
+    assert batch_bucket(1) == 1 and batch_bucket(3) == 2 and batch_bucket(16) == 5
+
+
+@pytest.mark.parametrize("spec_per_token, wanted", [(0.013, "off"), (0.007, "on")])
+def test_guard_switches_a_losing_plan_off_and_keeps_a_winning_one(spec_per_token, wanted):
+    """Steps whose real cost the planner misjudges: plain 10 ms per token, speculating
+    13 ms (a loss) or 7 ms (a gain), +-10% noise. After a short measuring phase the guard
+    settles on the faster kind, with one step in 16 of the other."""
+    rng = random.Random(0)
+    arm = ArmStats()
+    chosen = []
+    for _ in range(800):
+        spec = guard_allows(arm, arm.decisions)
+        arm.decisions += 1
+        per_token = spec_per_token if spec else 0.010
+        arm.observe(spec, per_token * 3 * rng.uniform(0.9, 1.1), 3)
+        chosen.append(spec)
+    settled = sum(chosen[32:]) / len(chosen[32:])
+    if wanted == "off":
+        assert settled <= 1 / 16 + 0.01
+    else:
+        assert settled >= 15 / 16 - 0.01
+
+
+def test_the_speculator_learns_only_from_decode_only_steps():
+    spec = Speculator(SpeculativeConfig(method="ngram", num_speculative_tokens=4),
+                      NgramProposer(1, 4), StepCost([(1, 0.01), (64, 0.2)]), 256)
+    params = SamplingParams(max_tokens=8)
+
+    def row(rid: str, tokens: int, drafts: int) -> ScheduledRequest:
+        return ScheduledRequest(rid, [1] * tokens, 10, [0], True, params,
+                                num_draft_tokens=drafts)
+
+    decode = SchedulerOutput([row("a", 3, 2), row("b", 1, 0)], 4)
+    spec.observe(decode, ModelRunnerOutput({"a": [5, 6, 7], "b": [8]}), 0.02)
+    mixed = SchedulerOutput([row("a", 3, 2), row("c", 40, 0)], 43)  # a prompt chunk
+    spec.observe(mixed, ModelRunnerOutput({"a": [5], "c": [9]}), 0.5)
+    plain = SchedulerOutput([row("a", 1, 0), row("b", 1, 0)], 2)
+    spec.observe(plain, ModelRunnerOutput({"a": [5], "b": [8]}), 0.01)
+    arm = spec.arms[batch_bucket(2)]
+    assert (arm.spec_n, arm.plain_n) == (1, 1)
+    assert arm.spec == pytest.approx(0.02 / 4) and arm.plain == pytest.approx(0.01 / 2)
 
 
 # ---- the configuration ------------------------------------------------------------------

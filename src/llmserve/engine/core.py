@@ -150,12 +150,15 @@ class EngineCore:
         return bool(ended)
 
     def step(self) -> list[EngineCoreOutput]:
+        start = time.perf_counter()
         if self.speculator is not None:
             self.speculator.prepare(self.scheduler.running, self.scheduler.waiting)
         sched = self.scheduler.schedule()
         result = self.runner.execute(sched)
         changed = self.scheduler.update(sched, result)
-        if self.speculator is not None:  # ended outside a step (too long for the cache...)
+        if self.speculator is not None:
+            self.speculator.observe(sched, result, time.perf_counter() - start)
+            # Requests that ended outside a step (too long for the cache...).
             for rid in sched.finished_req_ids:
                 self.speculator.free(rid)
         outputs = []

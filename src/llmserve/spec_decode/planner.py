@@ -20,6 +20,7 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 
 class StepCost:
@@ -77,3 +78,61 @@ def plan_drafts(acceptance: Sequence[float], max_drafts: Sequence[int], *,
     for _, _, r in candidates[:best_count]:
         counts[r] += 1
     return counts
+
+
+# ---- what the steps actually cost ----------------------------------------------------------
+#
+# The step costs above are timed at start-up on one short sequence; a batch of long
+# contexts pays attention over its whole context for every draft row, and sampling
+# parameters add per-row work, so a plan the model calls a gain can be a loss. The guard
+# measures both kinds of decode-only step as they run, per batch size, and lets a step
+# speculate only where speculating steps have been faster per emitted token.
+
+
+@dataclass
+class ArmStats:
+    """Seconds per emitted token of decode-only steps without drafts (plain) and with
+    them (spec), as exponentially weighted means, for one range of batch sizes."""
+
+    plain: float = 0.0
+    spec: float = 0.0
+    plain_n: int = 0
+    spec_n: int = 0
+    decisions: int = 0  # guard decisions taken (drives exploration)
+
+    def observe(self, speculated: bool, seconds: float, emitted: int,
+                weight: float = 0.1) -> None:
+        if emitted <= 0 or seconds <= 0:
+            return
+        per_token = seconds / emitted
+        if speculated:
+            self.spec = per_token if self.spec_n == 0 else self.spec + weight * (
+                per_token - self.spec)
+            self.spec_n += 1
+        else:
+            self.plain = per_token if self.plain_n == 0 else self.plain + weight * (
+                per_token - self.plain)
+            self.plain_n += 1
+
+
+def guard_allows(stats: ArmStats, decision: int, *, min_samples: int = 8,
+                 explore_every: int = 16) -> bool:
+    """Whether a step that the planner would speculate in does. ``decision`` counts the
+    guard's decisions for this batch size: one in ``explore_every`` goes the other way, so
+    that both kinds of step stay measured as contexts and workloads change.
+
+    - Too few plain steps measured: every other step plain (measuring both quickly).
+    - Too few speculating steps measured: speculate (that is what needs measuring).
+    - Both measured: the faster per emitted token, the other one step in explore_every.
+    """
+    if stats.plain_n < min_samples:
+        return decision % 2 == 1
+    explore = decision % explore_every == explore_every - 1
+    if stats.spec_n < min_samples:
+        return True
+    return (stats.spec < stats.plain) != explore
+
+
+def batch_bucket(num_sampling: int) -> int:
+    """The range of batch sizes a step's measurements pool with: 1, 2-3, 4-7, 8-15..."""
+    return max(num_sampling, 1).bit_length()

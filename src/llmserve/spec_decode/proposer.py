@@ -10,8 +10,15 @@ from typing import Protocol
 from llmserve.config import SpeculativeConfig
 from llmserve.engine.request import Request, RequestStatus
 from llmserve.logger import get_logger
+from llmserve.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from llmserve.spec_decode.ngram import NgramProposer
-from llmserve.spec_decode.planner import StepCost, plan_drafts
+from llmserve.spec_decode.planner import (
+    ArmStats,
+    StepCost,
+    batch_bucket,
+    guard_allows,
+    plan_drafts,
+)
 
 logger = get_logger(__name__)
 
@@ -51,6 +58,9 @@ class Speculator:
         self.cost = cost
         self.budget = max_num_batched_tokens
         self.seconds = 0.0  # spent proposing and planning (cumulative)
+        # What decode-only steps cost per emitted token, with and without drafts, by batch
+        # size: the guard over the planner's cost model (planner.guard_allows).
+        self.arms: dict[int, ArmStats] = {}
 
     def prepare(self, running: list[Request], waiting: list[Request]) -> int:
         """Set the draft tokens of the running requests for the next step; returns how
@@ -76,6 +86,12 @@ class Speculator:
         # Planned as if every proposal were found: under load nothing is asked for at all.
         counts = plan_drafts(acceptance, limits, **plan_kw)
         chosen = [i for i, c in enumerate(counts) if c]
+        if chosen:
+            arm = self.arms.setdefault(batch_bucket(len(decoding)), ArmStats())
+            allowed = guard_allows(arm, arm.decisions)
+            arm.decisions += 1
+            if not allowed:
+                chosen = []
         proposals: list[list[int]] = [[] for _ in decoding]
         if chosen and self.proposer.cheap:
             # Lookups may find fewer tokens than planned: plan again over what was found.
@@ -97,6 +113,18 @@ class Speculator:
             total += len(p)
         self.seconds += time.perf_counter() - start
         return total
+
+    def observe(self, sched: SchedulerOutput, result: ModelRunnerOutput,
+                seconds: float) -> None:
+        """Account a step that ran (``seconds`` from prepare() to the scheduler's update):
+        decode-only steps feed the guard's measurements; steps with prompt chunks, whose
+        cost is mostly the prompt's, do not."""
+        if not sched.scheduled or any(s.num_tokens != 1 + s.num_draft_tokens
+                                      for s in sched.scheduled):
+            return
+        arm = self.arms.setdefault(batch_bucket(len(sched.scheduled)), ArmStats())
+        arm.observe(any(s.num_draft_tokens for s in sched.scheduled), seconds,
+                    sum(len(t) for t in result.sampled_token_ids.values()))
 
     def free(self, request_id: str) -> None:
         self.proposer.free(request_id)
