@@ -19,6 +19,12 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
 FREE_ROWS = StepCost([(1, 1.0), (1 << 20, 1.0)])
 
 
+def speculate_always(speculator) -> None:
+    """Rows cost nothing and the guard stands aside: every proposal found is verified."""
+    speculator.cost = FREE_ROWS
+    speculator.guard = False
+
+
 def _params(rng: random.Random, i: int) -> SamplingParams:
     kind = i % 5
     common = dict(max_tokens=rng.randint(1, 40), ignore_eos=True)
@@ -51,7 +57,7 @@ def _run(model, prompts, params, speculative, alone: bool, **kw):
     llm = LLM(str(model), max_model_len=512, num_kv_blocks=512, speculative_config=speculative,
               **kw)
     if llm.engine.speculator is not None:
-        llm.engine.speculator.cost = FREE_ROWS
+        speculate_always(llm.engine.speculator)
     if alone:
         outs = [llm.generate([p], sp)[0] for p, sp in zip(prompts, params)]
     else:
@@ -103,7 +109,7 @@ def test_stop_strings_cut_an_accepted_run(tiny_model_dir):
     params = SamplingParams(temperature=0, max_tokens=40, stop=[stop])
     want = llm.generate([prompt], params)[0].outputs[0]
     spec = LLM(str(path), max_model_len=512, num_kv_blocks=256, speculative_config=NGRAM)
-    spec.engine.speculator.cost = FREE_ROWS
+    speculate_always(spec.engine.speculator)
     got = spec.generate([prompt], params)[0].outputs[0]
     assert (got.text, got.token_ids, got.finish_reason) == (want.text, want.token_ids, "stop")
     assert spec.engine.stats().spec_draft_tokens > 0
@@ -131,7 +137,7 @@ def test_the_target_as_its_own_draft_is_always_accepted(tiny_model_dir):
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     config = {"method": "draft", "model": str(path), "num_speculative_tokens": 4}
     llm = LLM(str(path), max_model_len=512, num_kv_blocks=256, speculative_config=config)
-    llm.engine.speculator.cost = FREE_ROWS
+    speculate_always(llm.engine.speculator)
     want = LLM(str(path), max_model_len=512, num_kv_blocks=256).generate(prompts, params)
     got = llm.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
@@ -152,7 +158,7 @@ def test_prompt_only_requests_beside_speculating_ones(tiny_model_dir):
               for i in range(len(prompts))]
     config = {"method": "draft", "model": str(path), "num_speculative_tokens": 3}
     llm = LLM(str(path), max_model_len=512, num_kv_blocks=256, speculative_config=config)
-    llm.engine.speculator.cost = FREE_ROWS
+    speculate_always(llm.engine.speculator)
     want = LLM(str(path), max_model_len=512, num_kv_blocks=256).generate(prompts, params)
     got = llm.generate(prompts, params)
     assert [(o.outputs[0].token_ids, o.prompt_logprobs) for o in got] == [

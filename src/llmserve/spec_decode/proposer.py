@@ -61,6 +61,7 @@ class Speculator:
         # What decode-only steps cost per emitted token, with and without drafts, by batch
         # size: the guard over the planner's cost model (planner.guard_allows).
         self.arms: dict[int, ArmStats] = {}
+        self.guard = True  # False: the cost model alone decides (tests that need drafts)
 
     def prepare(self, running: list[Request], waiting: list[Request]) -> int:
         """Set the draft tokens of the running requests for the next step; returns how
@@ -86,7 +87,7 @@ class Speculator:
         # Planned as if every proposal were found: under load nothing is asked for at all.
         counts = plan_drafts(acceptance, limits, **plan_kw)
         chosen = [i for i, c in enumerate(counts) if c]
-        if chosen:
+        if chosen and self.guard:
             arm = self.arms.setdefault(batch_bucket(len(decoding)), ArmStats())
             allowed = guard_allows(arm, arm.decisions)
             arm.decisions += 1
