@@ -98,6 +98,39 @@ def test_servers_opening_a_new_database_at_once_all_start(backend, tmp_path, req
         db.close()
 
 
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_two_servers_sharing_a_database_lose_no_usage(backend, tmp_path, request):
+    """Two writers adding to the same (key, day, model) rows at the same moments: the
+    totals are the sum of both (the database adds; nobody writes back a stale count)."""
+    url = (database_url(tmp_path) if backend == "sqlite"
+           else request.getfixturevalue("postgres").new_database("shared"))
+    dbs = [Database(url), Database(url)]
+    _, alice = KeyStore(dbs[0]).create("alice")
+    recorders = [UsageRecorder(d, flush_interval=0.01) for d in dbs]
+    start = threading.Barrier(2)
+
+    def write(rec: UsageRecorder, tag: str) -> None:
+        start.wait()
+        for i in range(300):
+            rec.record(UsageEvent(f"{tag}{i}", alice.id if i % 2 else None, "m",
+                                  "/v1/completions", 2, 3))
+            if i % 10 == 0:
+                time.sleep(0.005)  # many flushes, interleaved with the other writer's
+
+    threads = [threading.Thread(target=write, args=(r, t)) for r, t in zip(recorders, "ab")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for rec in recorders:
+        rec.close()
+    rows = {r.key_name: (r.requests, r.prompt_tokens, r.completion_tokens)
+            for r in usage(dbs[0])}
+    assert rows == {"alice": (300, 600, 900), None: (300, 600, 900)}
+    for d in dbs:
+        d.close()
+
+
 def test_sqlite_runs_in_wal_mode(db):
     with db.engine.connect() as conn:
         assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"

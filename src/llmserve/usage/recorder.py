@@ -12,7 +12,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from datetime import date, datetime
 
-from sqlalchemy import select
+from sqlalchemy import func, select, update
 
 from llmserve.logger import get_logger
 from llmserve.usage.database import Database
@@ -141,18 +141,26 @@ class UsageRecorder:
             t[2] += e.completion_tokens
             t[3] += e.cached_tokens
         for (key_id, day, model), (requests, prompt, completion, cached) in totals.items():
+            # One UPDATE that adds in the database (never read, add, write back: two servers
+            # sharing a database would lose one's counts); a row per (key, day, model) as a
+            # rule, and if two servers insert the day's first row at once, both rows count.
             key_match = (DailyUsage.key_id.is_(None) if key_id is None
                          else DailyUsage.key_id == key_id)
-            row = session.scalars(select(DailyUsage).where(
-                key_match, DailyUsage.day == day, DailyUsage.model == model).limit(1)).first()
-            if row is None:
-                row = DailyUsage(key_id=key_id, day=day, model=model, requests=0,
-                                 prompt_tokens=0, completion_tokens=0, cached_tokens=0)
-                session.add(row)
-            row.requests += requests
-            row.prompt_tokens += prompt
-            row.completion_tokens += completion
-            row.cached_tokens += cached
+            first_row = (select(func.min(DailyUsage.id))
+                         .where(key_match, DailyUsage.day == day, DailyUsage.model == model)
+                         .scalar_subquery())
+            added = session.execute(
+                update(DailyUsage)
+                .where(DailyUsage.id == first_row)
+                .values(requests=DailyUsage.requests + requests,
+                        prompt_tokens=DailyUsage.prompt_tokens + prompt,
+                        completion_tokens=DailyUsage.completion_tokens + completion,
+                        cached_tokens=DailyUsage.cached_tokens + cached)
+                .execution_options(synchronize_session=False))
+            if added.rowcount == 0:
+                session.add(DailyUsage(key_id=key_id, day=day, model=model, requests=requests,
+                                       prompt_tokens=prompt, completion_tokens=completion,
+                                       cached_tokens=cached))
 
     def _log_row(self, e: UsageEvent) -> RequestLog:
         full = self.request_log == "full"
