@@ -9,6 +9,7 @@ import sqlite3
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -49,7 +50,9 @@ def keys(data_dir) -> dict[str, str]:
     return {
         "acct": cli(data_dir, "keys", "create", "--name", "acct").strip(),
         "tiny-budget": cli(data_dir, "keys", "create", "--name", "tiny-budget",
-                           "--tokens-per-minute", "40").strip(),
+                           "--tokens-per-minute", "100").strip(),
+        "burst": cli(data_dir, "keys", "create", "--name", "burst",
+                     "--tokens-per-minute", "100").strip(),
         "two-rpm": cli(data_dir, "keys", "create", "--name", "two-rpm",
                        "--requests-per-minute", "2").strip(),
         "doomed": cli(data_dir, "keys", "create", "--name", "doomed").strip(),
@@ -87,25 +90,44 @@ def test_database_keys_and_the_shared_key_are_accepted(server, keys):
 
 
 def test_a_key_over_its_token_budget_gets_429_and_others_are_unaffected(server, keys):
-    first = post(server, keys["tiny-budget"], max_tokens=40, ignore_eos=True)
+    """Each request reserves prompt + max_tokens of its key's tokens per minute (as OpenAI
+    counts); what it did not use comes back when it ends."""
+    first = post(server, keys["tiny-budget"], max_tokens=40)
     assert first.status_code == 200
-    assert first.headers["x-ratelimit-limit-tokens"] == "40"
-    used = first.json()["usage"]["total_tokens"]
-    assert used > 40  # the bucket is now in debt
-    refused = post(server, keys["tiny-budget"])
+    assert first.headers["x-ratelimit-limit-tokens"] == "100"
+    prompt = first.json()["usage"]["prompt_tokens"]
+    ok = post(server, keys["tiny-budget"], max_tokens=40, ignore_eos=True)  # uses it all
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 40
+    # Left: about 100 - (used by the first) - (prompt + 40); the next needs prompt + 90.
+    refused = post(server, keys["tiny-budget"], max_tokens=90)
     assert refused.status_code == 429
     error = refused.json()["error"]
     assert error["code"] == "rate_limit_exceeded" and error["type"] == "rate_limit_error"
-    assert "40 tokens per minute" in error["message"]
+    assert f"up to {prompt + 90} tokens" in error["message"]
     wait = int(refused.headers["Retry-After"])
-    assert 1 <= wait <= 60 * (used - 40 + 1) / 40 + 1
-    assert refused.headers["x-ratelimit-remaining-tokens"] == "0"
-    assert refused.headers["x-ratelimit-reset-tokens"]
+    assert 1 <= wait <= 61
+    assert refused.headers["x-ratelimit-limit-tokens"] == "100"
+    # A request that can never fit says so, with no Retry-After to wait on.
+    never = post(server, keys["tiny-budget"], max_tokens=200)
+    assert never.status_code == 429 and "Retry-After" not in never.headers
+    assert "lower max_tokens" in never.json()["error"]["message"]
     assert post(server, keys["acct"]).status_code == 200  # another key: unaffected
     assert post(server, SHARED).status_code == 200
     m = server.metrics()
     rejected = f'llmserve:request_rejected_total{{model_name="{server.model}",reason="rate_limit"}}'
     assert m[rejected] >= 1
+
+
+def test_concurrent_requests_cannot_overrun_a_token_budget(server, keys):
+    """Eight requests at once, each able to use ~43 tokens, against 100 tokens a minute:
+    two run, the others are told to wait; the key never uses more than its budget."""
+    with ThreadPoolExecutor(8) as pool:
+        replies = list(pool.map(lambda _: post(server, keys["burst"], max_tokens=40,
+                                               ignore_eos=True), range(8)))
+    codes = sorted(r.status_code for r in replies)
+    assert codes == [200, 200] + [429] * 6, codes
+    used = sum(r.json()["usage"]["total_tokens"] for r in replies if r.status_code == 200)
+    assert used <= 100
 
 
 def test_requests_per_minute(server, keys):

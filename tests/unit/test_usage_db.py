@@ -205,25 +205,39 @@ def test_bad_key_settings_are_refused(db, kwargs):
 # ---- token buckets ---------------------------------------------------------------------------
 
 
-def _slow_level(capacity: float, events: list[tuple[float, float]], now: float) -> float:
-    """The bucket's level by replaying every millisecond: refill, then take what is due."""
+def _slow_level(capacity: float, events: list[tuple[float, str, float]],
+                now: float) -> tuple[float, list[bool]]:
+    """The bucket's level by replaying every millisecond: refill, then apply what is due
+    (a take only if the bucket holds it; a give-back never above capacity)."""
     level, t, rate = capacity, 0.0, capacity / 60.0
-    pending = sorted(events)
+    pending, taken = sorted(events), []
     while t < now - 1e-9:
         t = round(t + 0.001, 6)
         level = min(capacity, level + 0.001 * rate)
         while pending and pending[0][0] <= t:
-            level -= pending.pop(0)[1]
-    return level
+            _, kind, amount = pending.pop(0)
+            if kind == "back":
+                level = min(capacity, level + amount)
+            else:
+                taken.append(level >= amount)
+                level -= amount if taken[-1] else 0.0
+    return level, taken
 
 
 def test_token_bucket_matches_a_slow_replay():
     bucket = TokenBucket(120.0, updated=0.0)
-    events = [(0.5, 50.0), (1.2, 100.0), (2.0, 30.0)]  # the second puts it in debt
-    for at, amount in events:
-        bucket.charge(amount, at)
+    events = [(0.5, "take", 50.0), (1.2, "take", 100.0), (1.3, "back", 20.0),
+              (2.0, "take", 60.0), (2.5, "back", 200.0), (2.6, "take", 119.0)]
+    taken = []
+    for at, kind, amount in events:
+        if kind == "back":
+            bucket.give_back(amount, at)
+        else:
+            taken.append(bucket.take(amount, at))
     bucket.refill(3.0)
-    assert bucket.level == pytest.approx(_slow_level(120.0, events, 3.0), abs=0.01)
+    level, want = _slow_level(120.0, events, 3.0)
+    assert taken == want == [True, False, True, True]
+    assert bucket.level == pytest.approx(level, abs=0.01)
 
 
 def test_token_bucket_refills_to_capacity_and_no_further():
@@ -248,15 +262,24 @@ def test_request_limit_refuses_with_the_wait_and_headers():
     assert limiter.admit(1, limits, 30.0).allowed
 
 
-def test_token_limit_admits_until_in_debt_then_waits_it_out():
+def test_token_limit_reserves_the_most_a_request_can_use_and_gives_back_the_rest():
     limiter, limits = RateLimiter(), Limits(tokens_per_minute=60)
     assert limiter.admit(7, limits, 0.0).allowed
-    limiter.charge(7, 90, 0.0)  # one long request: 30 tokens of debt
-    refused = limiter.admit(7, limits, 0.0)
-    assert not refused.allowed
-    assert refused.retry_after == pytest.approx(31.0)  # back to one token: 31 s at 1/s
-    assert refused.headers["x-ratelimit-remaining-tokens"] == "0"
-    assert limiter.admit(7, limits, 31.5).allowed
+    assert limiter.reserve(7, limits, 40, 0.0).allowed  # prompt + max_tokens
+    refused = limiter.reserve(7, limits, 30, 0.0)  # 20 left: waits for 10 more
+    assert not refused.allowed and refused.retry_after == pytest.approx(10.0)
+    assert refused.headers["x-ratelimit-remaining-tokens"] == "20"
+    assert "up to 30 tokens" in refused.reason
+    limiter.give_back(7, 25, 0.0)  # the first used 15 of its 40
+    assert limiter.reserve(7, limits, 30, 0.0).allowed  # 45 left
+    never = limiter.reserve(7, limits, 61, 0.0)
+    assert not never.allowed and math.isinf(never.retry_after)
+    assert "lower max_tokens" in never.reason
+    limiter.give_back(7, 1000, 0.0)  # never above the limit
+    assert limiter.reserve(7, limits, 60, 0.0).allowed
+    assert not limiter.reserve(7, limits, 1, 0.0).allowed
+    assert not limiter.admit(7, limits, 0.0).allowed  # empty: refused before the body
+    assert limiter.admit(7, limits, 1.0).allowed
 
 
 def test_changed_limits_take_effect():

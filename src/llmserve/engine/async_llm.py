@@ -268,11 +268,11 @@ class AsyncLLM:
 
     # ---- requests ----------------------------------------------------------------------
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         """Raise ValueError / ContextLengthError for a request the engine cannot serve, or
-        EngineUnavailableError while no engine is ready."""
+        EngineUnavailableError while no engine is ready; returns its resolved max_tokens."""
         self.validate_available()
-        check_request(prompt_token_ids, params, self.max_model_len, self.vocab_size)
+        return check_request(prompt_token_ids, params, self.max_model_len, self.vocab_size)
 
     def validate_available(self) -> None:
         if self.status == "ready":

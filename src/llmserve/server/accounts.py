@@ -96,10 +96,33 @@ class Accounts:
         key = self._keys.get(hash_key(token))
         return Principal(key) if key is not None else None
 
-    def record(self, principal: Principal, event: UsageEvent) -> None:
-        if principal.key is not None:
-            self.limiter.charge(principal.key.id, event.prompt_tokens + event.completion_tokens,
-                                time.monotonic())
+    def reserve(self, principal: Principal, num_tokens: int) -> int:
+        """Reserve the most a parsed request can use from its key's tokens per minute;
+        returns what was reserved (0 without a token limit). Raises 429 if it does not fit
+        now (Retry-After: until it does) or ever (no Retry-After)."""
+        key = principal.key
+        if key is None or key.limits.tokens_per_minute is None:
+            return 0
+        decision = self.limiter.reserve(key.id, key.limits, num_tokens, time.monotonic())
+        if decision.allowed:
+            return num_tokens
+        headers = dict(decision.headers)
+        message = f"rate limit reached for key '{key.name}': {decision.reason}"
+        if math.isfinite(decision.retry_after):
+            wait = max(1, math.ceil(decision.retry_after))
+            headers["Retry-After"] = str(wait)
+            message += f"; try again in {wait} s"
+        raise APIError(429, message, type="rate_limit_error", code="rate_limit_exceeded",
+                       headers=headers)
+
+    def release(self, principal: Principal, num_tokens: int) -> None:
+        """Give back tokens reserved for a request that used fewer (or never ran)."""
+        if principal.key is not None and num_tokens > 0:
+            self.limiter.give_back(principal.key.id, num_tokens, time.monotonic())
+
+    def record(self, principal: Principal, event: UsageEvent, reserved: int = 0) -> None:
+        """A request ended: settle its reservation and queue its usage for the database."""
+        self.release(principal, reserved - event.prompt_tokens - event.completion_tokens)
         if self.recorder is not None:
             self.recorder.record(event)
 
@@ -172,7 +195,11 @@ class Gatekeeper:
 
         async def send_with_limits(message: Message) -> None:
             if message["type"] == "http.response.start":
-                message = {**message, "headers": [*message.get("headers", []), *extra]}
+                # Headers the endpoint set itself (a 429 from the token reservation) are
+                # newer than the admission's: keep those.
+                own = {name.lower() for name, _ in message.get("headers", [])}
+                message = {**message, "headers": [*message.get("headers", []),
+                                                  *(h for h in extra if h[0] not in own)]}
             await send(message)
 
         await self.app(scope, receive, send_with_limits)

@@ -297,16 +297,24 @@ def build_app(engine: AsyncLLM, config: ServerConfig, metrics: ServerMetrics,
                 usage.completion_tokens, usage.cached_tokens, usage.finish_reason,
                 usage.latency_seconds, text,
                 (usage.texts[0] if len(usage.texts) == 1 else json.dumps(usage.texts))
-                if keep_text else None))
+                if keep_text else None), reserved=job.reserved_tokens)
 
         return finished
 
     async def _run(job: Job, streaming: bool, raw: Request) -> Response:
         serving()  # the engine may have gone while the prompt was tokenized
-        validate_prompts(engine, job)
+        most = validate_prompts(engine, job)
+        principal = getattr(raw.state, "principal", ANONYMOUS)
+        try:
+            job.reserved_tokens = accounts.reserve(principal, most)
+        except APIError:  # 429: the key's tokens per minute cannot hold it
+            metrics.on_rejected("rate_limit")
+            raise
+        streaming_started = False  # from then on the stream settles the reservation
         try:
             if streaming:
                 body = stream(engine, job)
+                streaming_started = True
                 return StreamingResponse(body, media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache"})
             return JSONResponse(await respond(engine, job, raw))
@@ -314,6 +322,10 @@ def build_app(engine: AsyncLLM, config: ServerConfig, metrics: ServerMetrics,
             return Response(status_code=499)
         except EngineUnavailableError as e:
             raise _unavailable(e) from None
+        finally:
+            if not streaming_started and not job.finished:  # refused (queue full) or gone
+                accounts.release(principal, job.reserved_tokens)
+                job.reserved_tokens = 0
 
     return app
 

@@ -56,9 +56,14 @@ class Job:
     # Called once when the job ends, however it ends, with what the client is billed for.
     on_finish: Callable[[JobUsage], None] | None = None
     started: float = field(default_factory=time.monotonic)
+    reserved_tokens: int = 0  # taken from the key's tokens per minute; settled at the end
+    finished: bool = False
 
     def finish(self, completion_tokens: int, cached_tokens: int, finish_reason: str,
                texts: list[str]) -> None:
+        if self.finished:
+            return
+        self.finished = True
         if self.on_finish is not None:
             self.on_finish(JobUsage(sum(len(ids) for _, ids in self.prompts),
                                     completion_tokens, cached_tokens, finish_reason, texts,
@@ -100,16 +105,21 @@ def completion_params(params: SamplingParams, echo: bool) -> SamplingParams:
     return params
 
 
-def validate_prompts(engine: AsyncLLM, job: Job) -> None:
+def validate_prompts(engine: AsyncLLM, job: Job) -> int:
+    """Check every prompt against the model; returns the most tokens the job can use
+    (each prompt plus its max_tokens, for each of the n choices), as a rate limit counts."""
+    most = 0
     for _, ids in job.prompts:
         try:
-            engine.validate(ids, job.params)
+            max_tokens = engine.validate(ids, job.params)
         except ContextLengthError as e:
             raise bad_request(f"This model's maximum context length is {engine.max_model_len} "
                               f"tokens: {e}", param="max_tokens",
                               code="context_length_exceeded") from None
         except ValueError as e:
             raise bad_request(str(e), param=param_of(str(e))) from None
+        most += (len(ids) + max_tokens) * job.params.n
+    return most
 
 
 def _submit_all(engine: AsyncLLM, job: Job) -> list[RequestStream]:

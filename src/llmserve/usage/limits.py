@@ -1,9 +1,12 @@
 """Per-key rate limits: a token bucket for requests and one for tokens, per minute.
 
-A request takes one token from the request bucket when it is admitted. Tokens (prompt +
-completion, as OpenAI counts them) are charged when the request ends, so the token bucket
-may go into debt; a key in debt is refused until its bucket refills above zero. That keeps
-admission cheap (nothing to estimate) and the budget exact over any minute.
+A request takes one from the request bucket when it arrives (before its body is read).
+Tokens are counted as OpenAI counts them: once the request is parsed and tokenized, the
+most it can use (prompt + max_tokens, for each choice) is reserved from the token bucket,
+and a request that does not fit waits (429 with the seconds until it fits); when it ends,
+what it did not use is given back. So concurrent requests cannot together overrun the
+budget, and a bucket never goes below zero. The buckets are per process: each server (or
+replica) enforces a key's limits on its own.
 """
 
 from __future__ import annotations
@@ -45,10 +48,10 @@ class TokenBucket:
         self.level -= amount
         return True
 
-    def charge(self, amount: float, now: float) -> None:
-        """Take ``amount`` even if that leaves the bucket in debt."""
+    def give_back(self, amount: float, now: float) -> None:
+        """Return what a reservation did not use (never above capacity)."""
         self.refill(now)
-        self.level -= amount
+        self.level = min(self.capacity, self.level + amount)
 
 
 @dataclass(frozen=True)
@@ -93,10 +96,28 @@ class RateLimiter:
                             "minute")
         return Decision(True, 0.0, self._headers(requests, tokens, now))
 
-    def charge(self, key_id: int, num_tokens: int, now: float) -> None:
+    def reserve(self, key_id: int, limits: Limits, num_tokens: int, now: float) -> Decision:
+        """Take the most a request can use from the key's token bucket, or refuse it: with
+        the wait until it fits, or with no wait (``retry_after`` inf) if it never can."""
+        requests, tokens = self._get(key_id, limits, now)
+        if tokens is None or tokens.take(float(num_tokens), now):
+            return Decision(True, 0.0, self._headers(requests, tokens, now))
+        limit = limits.tokens_per_minute
+        if num_tokens > tokens.capacity:
+            return Decision(False, math.inf, self._headers(requests, tokens, now),
+                            f"the request may use up to {num_tokens} tokens (prompt + "
+                            f"max_tokens for each choice), more than the key's {limit} tokens "
+                            "per minute: lower max_tokens (or n)")
+        return Decision(False, tokens.seconds_until(float(num_tokens), now),
+                        self._headers(requests, tokens, now),
+                        f"the request may use up to {num_tokens} tokens (prompt + max_tokens "
+                        f"for each choice) and the key's {limit} tokens per minute are in use")
+
+    def give_back(self, key_id: int, num_tokens: int, now: float) -> None:
+        """Return the part of a reservation that the request did not use."""
         entry = self._buckets.get(key_id)
-        if entry is not None and entry[2] is not None:
-            entry[2].charge(num_tokens, now)
+        if entry is not None and entry[2] is not None and num_tokens > 0:
+            entry[2].give_back(float(num_tokens), now)
 
     @staticmethod
     def _headers(requests: TokenBucket | None, tokens: TokenBucket | None,
