@@ -175,6 +175,9 @@ def test_keys_are_stored_hashed_and_found_by_id_name_prefix_or_key(db):
     assert store.active_by_hash().popitem()[1] == info
     with pytest.raises(DatabaseError, match="no key"):
         store.find("bob")
+    for loose in ("sk", "sk-llmserve-", info.prefix[:-1], ""):  # would name any key
+        with pytest.raises(DatabaseError, match="no key"):
+            store.find(loose)
 
 
 def test_revoked_keys_leave_the_active_set(db):

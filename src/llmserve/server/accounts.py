@@ -177,7 +177,7 @@ class Gatekeeper:
             if principal is None:
                 return await send_error(send, APIError(
                     401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
-                    type="authentication_error", code="invalid_api_key"))
+                    type="invalid_request_error", code="invalid_api_key"))  # as OpenAI
         scope.setdefault("state", {})["principal"] = principal
         key = principal.key
         if key is None or scope["path"] not in LIMITED_PATHS or (

@@ -62,6 +62,7 @@ class Speculator:
         # size: the guard over the planner's cost model (planner.guard_allows).
         self.arms: dict[int, ArmStats] = {}
         self.guard = True  # False: the cost model alone decides (tests that need drafts)
+        self._bucket = 0  # the batch-size range of the step being prepared
 
     def prepare(self, running: list[Request], waiting: list[Request]) -> int:
         """Set the draft tokens of the running requests for the next step; returns how
@@ -76,6 +77,7 @@ class Speculator:
                 decoding.append(r)
         pending += sum(r.num_tokens - r.num_computed_tokens for r in waiting)
         base = min(pending, self.budget)
+        self._bucket = batch_bucket(len(decoding))
         if not decoding or base >= self.budget:
             return 0
         k = self.config.num_speculative_tokens
@@ -88,7 +90,7 @@ class Speculator:
         counts = plan_drafts(acceptance, limits, **plan_kw)
         chosen = [i for i, c in enumerate(counts) if c]
         if chosen and self.guard:
-            arm = self.arms.setdefault(batch_bucket(len(decoding)), ArmStats())
+            arm = self.arms.setdefault(self._bucket, ArmStats())
             allowed = guard_allows(arm, arm.decisions)
             arm.decisions += 1
             if not allowed:
@@ -123,7 +125,10 @@ class Speculator:
         if not sched.scheduled or any(s.num_tokens != 1 + s.num_draft_tokens
                                       for s in sched.scheduled):
             return
-        arm = self.arms.setdefault(batch_bucket(len(sched.scheduled)), ArmStats())
+        # Filed where the step was decided (the scheduler may have run fewer requests).
+        arm = self.arms.setdefault(self._bucket or batch_bucket(len(sched.scheduled)),
+                                   ArmStats())
+        self._bucket = 0
         arm.observe(any(s.num_draft_tokens for s in sched.scheduled), seconds,
                     sum(len(t) for t in result.sampled_token_ids.values()))
 

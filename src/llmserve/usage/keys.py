@@ -102,8 +102,10 @@ class KeyStore:
                 row = s.scalar(select(ApiKey).where(ApiKey.key_hash == hash_key(ref)))
                 matches = [KeyInfo.of(row)] if row is not None else []
         else:
+            # A name, or the key's start exactly as `keys list` shows it (a shorter start,
+            # such as "sk", would name any key).
             matches = [k for k in keys if k.name == ref] or [
-                k for k in keys if k.prefix.startswith(ref) or ref.startswith(k.prefix)]
+                k for k in keys if k.prefix == ref]
         if not matches:
             raise DatabaseError(f"no key {ref!r}: give an id, a name or a prefix from "
                                 "`llmserve keys list`")
