@@ -6,6 +6,7 @@ keyboard use and a phone-width layout. Screenshots go to test-artifacts/console/
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import threading
@@ -88,7 +89,8 @@ def sign_in(page, server: LiveServer) -> None:
 
 
 def set_max_tokens(page, n: int) -> None:
-    page.locator("#chat-settings summary").click()
+    if page.locator("#chat-settings").get_attribute("open") is None:
+        page.locator("#chat-settings summary").click()
     page.get_by_label("Max tokens").fill(str(n))
 
 
@@ -209,6 +211,68 @@ def test_an_error_from_the_server_is_shown_in_the_answer(page, keyed_server):
     wait_answered(page)
     error = last_answer(page).get_by_role("alert")
     assert "max_tokens" in error.inner_text() or "context" in error.inner_text()
+    # Nothing came back: the question returns to the composer, not into the history (the
+    # next message must not follow an unanswered one).
+    assert page.get_by_label("Message").input_value() == "Hello"
+    assert page.locator(".message.user").count() == 0
+    set_max_tokens(page, 4)
+    bodies: list[dict] = []
+    page.on("request", lambda r: bodies.append(r.post_data_json)
+            if r.url.endswith("/v1/chat/completions") else None)
+    page.get_by_role("button", name="Send").click()
+    wait_answered(page)
+    assert [m["role"] for m in bodies[-1]["messages"]] == ["user"]
+
+
+def test_new_chat_during_an_answer_starts_clean(page, keyed_server):
+    sign_in(page, keyed_server)
+    set_max_tokens(page, 900)
+    page.get_by_label("Temperature").fill("1")
+    send(page, "A long story, please.")
+    page.wait_for_function(
+        "() => document.querySelector('.message.assistant .text').textContent.length > 0")
+    page.get_by_role("button", name="New chat").click()
+    page.get_by_role("button", name="Send").wait_for(state="visible")
+    page.wait_for_function("() => !document.getElementById('send').disabled")
+    bodies: list[dict] = []
+    page.on("request", lambda r: bodies.append(r.post_data_json)
+            if r.url.endswith("/v1/chat/completions") else None)
+    set_max_tokens(page, 4)
+    send(page, "Fresh start")
+    wait_answered(page)
+    assert [m["content"] for m in bodies[-1]["messages"]] == ["Fresh start"]
+    assert page.locator(".message").count() == 2
+
+
+@pytest.mark.parametrize("ending, complete", [("data: [DONE]\r\n\r\n", True), ("", False)])
+def test_streams_with_crlf_lines_and_streams_cut_short(page, open_server, ending, complete):
+    """Server-sent events may end lines with CRLF (a proxy's choice); a stream that closes
+    without [DONE] is a cut answer, said as such."""
+    page.goto(open_server.url)
+    page.locator("#panel-chat").wait_for(state="visible")
+
+    def chunk(text: str) -> str:
+        return ("data: " + json.dumps({"choices": [{"index": 0, "delta": {"content": text},
+                                                   "finish_reason": None}]}) + "\r\n\r\n")
+
+    body = chunk("Hello") + chunk(", world") + ending
+    page.route("**/v1/chat/completions", lambda route: route.fulfill(
+        status=200, headers={"Content-Type": "text/event-stream"}, body=body))
+    send(page, "Hi")
+    wait_answered(page)
+    assert last_answer(page).locator(".text").inner_text() == "Hello, world"
+    alerts = last_answer(page).get_by_role("alert")
+    if complete:
+        assert alerts.count() == 0
+    else:
+        assert "closed before the answer was complete" in alerts.inner_text()
+
+
+def test_the_page_allows_only_its_own_scripts(keyed_server):
+    r = httpx.get(keyed_server.url)
+    csp = r.headers["content-security-policy"]
+    assert "default-src 'self'" in csp and "frame-ancestors 'none'" in csp
+    assert r.headers["x-content-type-options"] == "nosniff"
 
 
 def test_the_dashboard_plots_move_while_requests_run(page, keyed_server):

@@ -23,6 +23,16 @@ STATIC_DIR = Path(__file__).with_name("console_static")
 # The page itself may change with every release: browsers revalidate it; the static files
 # are revalidated too (they are small, and a stale script beside a new page is worse).
 _NO_CACHE = {"Cache-Control": "no-cache"}
+# The key lives in the tab's sessionStorage: no script but the console's own may run, the
+# page talks to this server only, and no other site may frame it.
+_PAGE_HEADERS = {
+    **_NO_CACHE,
+    "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; "
+                               "style-src 'self' 'unsafe-inline'; object-src 'none'; "
+                               "base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+}
 
 
 def mount_console(app: FastAPI, info: Callable[[], dict[str, Any]]) -> None:
@@ -33,7 +43,7 @@ def mount_console(app: FastAPI, info: Callable[[], dict[str, Any]]) -> None:
     @app.get("/", include_in_schema=False)
     @app.get("/console", include_in_schema=False)
     async def console_page() -> FileResponse:
-        return FileResponse(index, media_type="text/html", headers=_NO_CACHE)
+        return FileResponse(index, media_type="text/html", headers=_PAGE_HEADERS)
 
     @app.get("/console/api/info", tags=["console"])
     async def console_info() -> JSONResponse:

@@ -58,7 +58,8 @@ export async function getText(path) {
 }
 
 // POST a streaming request and call onEvent(object) for each server-sent event's JSON;
-// returns when the stream ends ([DONE] or the connection closes).
+// returns at [DONE]. A stream that closes without [DONE] (a proxy's timeout, a server that
+// went away) throws: the answer is cut, not complete.
 export async function postStream(path, body, onEvent, signal) {
   const response = await fetch(path, {
     method: "POST",
@@ -70,19 +71,35 @@ export async function postStream(path, body, onEvent, signal) {
   const reader = response.body.getReader();
   const decoder = new TextDecoder();
   let buffer = "";
+  let carry = ""; // a CR at the end of a read: its LF may open the next one
+  // One event's data lines, joined; true at [DONE].
+  const dispatch = (event) => {
+    const data = event.split("\n").filter((l) => l.startsWith("data:"))
+      .map((l) => l.slice(5).replace(/^ /, "")).join("\n");
+    if (!data) return false;
+    if (data === "[DONE]") return true;
+    onEvent(JSON.parse(data));
+    return false;
+  };
   for (;;) {
     const { value, done } = await reader.read();
-    if (done) break;
-    buffer += decoder.decode(value, { stream: true });
+    // Events end at a blank line; the spec allows CRLF, CR or LF line endings.
+    let text = carry + (done ? decoder.decode() : decoder.decode(value, { stream: true }));
+    carry = !done && text.endsWith("\r") ? "\r" : "";
+    if (carry) text = text.slice(0, -1);
+    buffer += text.replace(/\r\n?/g, "\n");
     let end;
     while ((end = buffer.indexOf("\n\n")) >= 0) {
       const event = buffer.slice(0, end);
       buffer = buffer.slice(end + 2);
-      const data = event.split("\n").filter((l) => l.startsWith("data:"))
-        .map((l) => l.slice(5).trimStart()).join("\n");
-      if (!data) continue;
-      if (data === "[DONE]") return;
-      onEvent(JSON.parse(data));
+      if (dispatch(event)) {
+        reader.cancel().catch(() => {});
+        return;
+      }
+    }
+    if (done) {
+      if (buffer.trim() && dispatch(buffer)) return; // a last event without its blank line
+      throw new Error("the connection closed before the answer was complete");
     }
   }
 }

@@ -22,14 +22,18 @@ export class Chat {
       e.preventDefault();
       this.send();
     });
+    // Enter sends (Shift+Enter: a new line); on touch screens, whose keyboards have no
+    // Shift+Enter, Enter is a new line and the Send button sends.
+    const touch = window.matchMedia("(pointer: coarse)").matches;
     this.prompt.addEventListener("keydown", (e) => {
-      if (e.key === "Enter" && !e.shiftKey && !e.isComposing) {
+      if (e.key === "Enter" && !e.shiftKey && !e.isComposing && !touch) {
         e.preventDefault();
         this.send();
       }
     });
     this.stopButton.addEventListener("click", () => this.stop());
     this.$("clear").addEventListener("click", () => this.clear());
+    this.announcer = this.$("chat-announcer"); // finished answers, for screen readers
   }
 
   setInfo(info) {
@@ -106,8 +110,11 @@ export class Chat {
   }
 
   async answer() {
+    // This conversation: "New chat" or signing out starts another while this answer may
+    // still be arriving, and what arrives belongs to this one only.
+    const history = this.history;
     const system = this.$("system-prompt").value.trim();
-    const messages = [...(system ? [{ role: "system", content: system }] : []), ...this.history];
+    const messages = [...(system ? [{ role: "system", content: system }] : []), ...history];
     const item = this.addMessage("assistant", "");
     item.setAttribute("aria-busy", "true");
     const text = item.querySelector(".text");
@@ -156,13 +163,15 @@ export class Chat {
       else if (e instanceof AuthError) {
         failure = e.message;
         this.onAuthError(e);
-      } else failure = e.message;
+      } else failure = failure || e.message; // the server's own error event first
     } finally {
       this.controller = null;
       this.sendButton.disabled = false;
       this.stopButton.disabled = true;
       item.removeAttribute("aria-busy");
     }
+
+    if (history !== this.history) return; // a new conversation started meanwhile
 
     if (failure) {
       item.classList.add("error");
@@ -172,7 +181,17 @@ export class Chat {
       error.textContent = failure;
       item.insertBefore(error, stats);
     }
-    if (content) this.history.push({ role: "assistant", content });
+    if (content) {
+      history.push({ role: "assistant", content });
+    } else if (history.length && history[history.length - 1].role === "user") {
+      // Nothing came back: the question goes back to the composer, so that the next
+      // message does not follow an unanswered one (templates that need alternating roles
+      // would refuse every later turn).
+      const question = history.pop();
+      const bubbles = this.list.querySelectorAll(".message.user");
+      if (bubbles.length) bubbles[bubbles.length - 1].remove();
+      if (!this.prompt.value.trim()) this.prompt.value = question.content;
+    }
     const tokens = usage ? usage.completion_tokens : null;
     const parts = [];
     if (first !== null) parts.push(`TTFT ${fmt.millis((first - started) / 1000)}`);
@@ -183,7 +202,8 @@ export class Chat {
     if (finish) parts.push(finish === "length" ? "stopped at max tokens" : finish);
     stats.textContent = parts.join(" · ");
     stats.title = "TTFT: from sending to the first token; tokens/s: decode rate after it";
-    this.addActions(item, content);
+    this.announcer.textContent = failure ? `Error: ${failure}` : `Model: ${content}`;
+    if (content) this.addActions(item, content);
     this.prompt.focus();
   }
 

@@ -22,7 +22,8 @@ function selectTab(name, focus = false) {
   }
   if (name === "dashboard") dashboard.show();
   else dashboard.hide();
-  if (name === "chat") $("prompt").focus();
+  // Arrow keys keep the focus on the tabs; a click or the first load goes to the prompt.
+  if (name === "chat" && !focus) $("prompt").focus();
 }
 
 function setUpTabs() {

@@ -50,6 +50,7 @@ function derive(now, rateBase, pctBase, costPerHour) {
   }
   return {
     t: now.t,
+    wall: now.wall,
     output,
     prompt: rate(`${P}prompt_tokens_total`),
     ttft50: pct(`${P}time_to_first_token_seconds`, 0.5),
@@ -122,6 +123,8 @@ export class Dashboard {
     this.visible = false;
     this.costPerHour = null;
     this.timer = null;
+    this.polling = false;
+    this.speculative = false;
     this.tiles = new Map();
     for (const [id, label] of TILES) {
       const tile = document.createElement("div");
@@ -143,12 +146,18 @@ export class Dashboard {
 
   setInfo(info) {
     this.costPerHour = info.cost_per_hour || null;
+    this.speculative = Boolean(info.speculative);
+    this.tiles.get("acceptance").parentElement.hidden = !this.speculative;
   }
 
   start() {
     if (this.timer === null) {
       this.poll();
-      this.timer = setInterval(() => this.poll(), POLL_MS);
+      this.timer = setInterval(() => {
+        // One reading at a time (a slow /metrics must not pile up requests that starve
+        // the chat of connections), and none while the browser tab is hidden.
+        if (!this.polling && !document.hidden) this.poll();
+      }, POLL_MS);
     }
   }
 
@@ -174,13 +183,17 @@ export class Dashboard {
 
   async poll() {
     let text;
+    this.polling = true;
     try {
       text = await getText("metrics");
     } catch (e) {
       this.statusEl.textContent = `Metrics unavailable: ${e.message}`;
       return;
+    } finally {
+      this.polling = false;
     }
-    const now = { t: Date.now() / 1000, samples: parse(text) };
+    // t: seconds on a clock that never jumps (rates); wall: what the plot's axis shows.
+    const now = { t: performance.now() / 1000, wall: Date.now() / 1000, samples: parse(text) };
     const point = derive(now, this.baseFor(now.t, RATE_WINDOW_S),
       this.baseFor(now.t, PERCENTILE_WINDOW_S), this.costPerHour);
     this.readings.push(now);
@@ -189,12 +202,11 @@ export class Dashboard {
     }
     this.points.push(point);
     while (this.points.length && now.t - this.points[0].t > HISTORY_S) this.points.shift();
-    this.statusEl.textContent = `Updated ${new Date(now.t * 1000).toLocaleTimeString()}.`;
+    this.statusEl.textContent = `Updated ${new Date(now.wall * 1000).toLocaleTimeString()}.`;
     for (const [id, , value] of TILES) {
       const el = this.tiles.get(id);
       el.textContent = value(point, this);
     }
-    this.tiles.get("acceptance").parentElement.hidden = point.acceptance === null;
     if (this.visible) this.render();
   }
 
@@ -209,7 +221,7 @@ export class Dashboard {
 
   render() {
     if (!this.visible || typeof uPlot === "undefined") return;
-    const xs = this.points.map((p) => p.t);
+    const xs = this.points.map((p) => p.wall);
     for (const chart of CHARTS) {
       const series = this.seriesOf(chart);
       const key = series.map(([label]) => label).join("|");
