@@ -22,7 +22,8 @@ BACKENDS = ["torch_paged",
 
 
 def _run(backend_name: str, seqs: list[tuple[int, int, list[int]]], cache: PagedKVCache,
-         kv: dict[int, tuple[torch.Tensor, torch.Tensor]], q_all: dict[int, torch.Tensor]):
+         kv: dict[int, tuple[torch.Tensor, torch.Tensor]], q_all: dict[int, torch.Tensor],
+         window: int | None = None):
     """seqs: (seq id, tokens computed this step, block ids); context = all of seq's kv."""
     backend = get_attention_backend(backend_name)
     query_lens, seq_lens, slots, positions, qs, ks, vs = [], [], [], [], [], [], []
@@ -47,7 +48,7 @@ def _run(backend_name: str, seqs: list[tuple[int, int, list[int]]], cache: Paged
     layout = BatchLayout(torch.cat(slots), torch.tensor(tables), torch.cat(positions),
                          query_lens, seq_lens, BS)
     out = backend.forward(torch.cat(qs), torch.cat(ks), torch.cat(vs), cache,
-                          backend.build_metadata(layout), cache.head_dim**-0.5)
+                          backend.build_metadata(layout), cache.head_dim**-0.5, window)
     return out.split(query_lens)
 
 
@@ -64,29 +65,34 @@ def _problem(lengths: dict[int, int], d: int = D):
     return kv, q, blocks, start
 
 
+@pytest.mark.parametrize("window", [None, 40])
 @pytest.mark.parametrize("kv_dtype", ["float32", "int8"])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_rows_do_not_depend_on_the_batch(backend: str, kv_dtype: str):
+def test_rows_do_not_depend_on_the_batch(backend: str, kv_dtype: str, window: int | None):
+    """Also on a sliding-window layer (40 keys: the window starts inside a block, and the
+    compiled kernel skips the blocks before it, which depend on the item's other rows)."""
     lengths = {0: 300, 1: 600, 2: 40, 3: 517}
     kv, q, blocks, num_blocks = _problem(lengths)
 
     def cache() -> PagedKVCache:
         return PagedKVCache.allocate(kv_dtype, num_blocks, BS, HKV, D, torch.device("cpu"))
 
+    w = window
     for n_query in (1, 37):  # decode, and a prefill chunk
-        alone = {s: _run(backend, [(s, n_query, blocks[s])], cache(), kv, q)[0]
+        alone = {s: _run(backend, [(s, n_query, blocks[s])], cache(), kv, q, w)[0]
                  for s in lengths}
-        batched = _run(backend, [(s, n_query, blocks[s]) for s in lengths], cache(), kv, q)
+        batched = _run(backend, [(s, n_query, blocks[s]) for s in lengths], cache(), kv, q, w)
         for s, out in zip(lengths, batched):
             assert torch.equal(out, alone[s]), f"seq {s} ({lengths[s]} tokens), {n_query} rows"
         mixed = _run(backend, [(1, 37, blocks[1]), (0, 1, blocks[0]), (3, 1, blocks[3])],
-                     cache(), kv, q)
-        assert torch.equal(mixed[1], _run(backend, [(0, 1, blocks[0])], cache(), kv, q)[0])
+                     cache(), kv, q, w)
+        assert torch.equal(mixed[1], _run(backend, [(0, 1, blocks[0])], cache(), kv, q, w)[0])
 
 
 @pytest.mark.skipif(cpu_ops() is None, reason=NO_KERNELS)
+@pytest.mark.parametrize("window", [None, 24])
 @pytest.mark.parametrize("kv_dtype", ["float32", "int8"])
-def test_compiled_rows_do_not_depend_on_the_chunk(kv_dtype: str):
+def test_compiled_rows_do_not_depend_on_the_chunk(kv_dtype: str, window: int | None):
     """The compiled kernel's rows are the same computed as a decode (one row), inside a
     prefill chunk at any offset of its tiles, or in a chunk of a different length; and
     whatever the cache holds past a row's own position (written by a longer chunk, or not
@@ -97,13 +103,14 @@ def test_compiled_rows_do_not_depend_on_the_chunk(kv_dtype: str):
     def cache() -> PagedKVCache:
         return PagedKVCache.allocate(kv_dtype, num_blocks, BS, HKV, D, torch.device("cpu"))
 
-    whole = _run("cpu_paged", [(0, 200, blocks[0])], cache(), kv, q)[0]
+    whole = _run("cpu_paged", [(0, 200, blocks[0])], cache(), kv, q, window)[0]
     for n_query in (1, 3, 13, 64):
-        part = _run("cpu_paged", [(0, n_query, blocks[0])], cache(), kv, q)[0]
+        part = _run("cpu_paged", [(0, n_query, blocks[0])], cache(), kv, q, window)[0]
         assert torch.equal(part, whole[-n_query:]), n_query
     # The first 150 rows as one chunk: the cache then holds nothing past position 149.
     short = {0: (kv[0][0][:150], kv[0][1][:150])}
-    first = _run("cpu_paged", [(0, 150, blocks[0])], cache(), short, {0: q[0][:150]})[0]
+    first = _run("cpu_paged", [(0, 150, blocks[0])], cache(), short, {0: q[0][:150]},
+                 window)[0]
     assert torch.equal(first, whole[:150])
 
 
@@ -111,6 +118,15 @@ def test_compiled_rows_do_not_depend_on_the_chunk(kv_dtype: str):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_matches_float64_reference(backend: str, kv_dtype: str):
     _check_against_float64(backend, kv_dtype, D)
+
+
+@pytest.mark.parametrize("window", [1, 7, 16, 40])
+@pytest.mark.parametrize("kv_dtype", ["float32", "int8"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sliding_window_matches_float64_reference(backend: str, kv_dtype: str, window: int):
+    """A query at position p sees keys p - window + 1..p: windows of one key, inside a
+    block, exactly a block, and spanning blocks."""
+    _check_against_float64(backend, kv_dtype, D, window)
 
 
 @pytest.mark.skipif(cpu_ops() is None, reason=NO_KERNELS)
@@ -121,12 +137,13 @@ def test_compiled_int8_pairs_any_head_dim(head_dim: int):
     _check_against_float64("cpu_paged", "int8", head_dim)
 
 
-def _check_against_float64(backend: str, kv_dtype: str, d: int) -> None:
+def _check_against_float64(backend: str, kv_dtype: str, d: int,
+                           window: int | None = None) -> None:
     lengths = {0: 70, 1: 5, 2: 33}
     kv, q, blocks, num_blocks = _problem(lengths, d)
     cache = PagedKVCache.allocate(kv_dtype, num_blocks, BS, HKV, d, torch.device("cpu"))
     n_query = 5
-    outs = _run(backend, [(s, n_query, blocks[s]) for s in lengths], cache, kv, q)
+    outs = _run(backend, [(s, n_query, blocks[s]) for s in lengths], cache, kv, q, window)
     for s, out in zip(lengths, outs):
         # The reference reads what the cache holds, so only the attention math is compared.
         ids = torch.tensor(blocks[s])
@@ -137,10 +154,12 @@ def _check_against_float64(backend: str, kv_dtype: str, d: int) -> None:
         integer = backend == "cpu_paged" and cache.pack == 2
         for i in range(n_query):
             pos = lengths[s] - n_query + i
+            lo = 0 if window is None else max(0, pos - window + 1)
             qi = q[s][pos].view(HKV, HQ // HKV, d)
             if integer:
                 qi = _rounded_to_16_bits(qi)
             scores = torch.einsum("hgd,lhd->hgl", qi.double(), k_all[: pos + 1]) * d**-0.5
+            scores[..., :lo] = float("-inf")
             p = (scores - scores.amax(-1, keepdim=True)).exp()
             weights = p
             if integer:

@@ -40,11 +40,13 @@ class AttentionBackend(Protocol):
         ...
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: PagedKVCache, metadata: Any, scale: float) -> torch.Tensor:
+                kv_cache: PagedKVCache, metadata: Any, scale: float,
+                window: int | None = None) -> torch.Tensor:
         """``q``: [T, Hq, D]; ``k``, ``v``: [T, Hkv, D]; returns [T, Hq * D].
 
         ``kv_cache`` is the layer's paged cache (see ``kv_format`` for its layout and
-        storage formats).
+        storage formats). ``window``: a sliding-window layer's span: a query at position p
+        sees keys p - window + 1..p only (None: every key up to p).
         """
         ...
 

@@ -1,10 +1,11 @@
 """Paged attention by a compiled CPU kernel that reads the KV cache blocks in place.
 
 No gather, no padding, no mask: each query row walks its own sequence's block table over
-keys ``0..position`` (see ``csrc/paged_attention.cpp``). A row's arithmetic is a fixed
-sequence of operations that depends only on its own context, so the result is the same
-alone, in any batch, in any prefill chunk and after preemption. Work is split over
-(sequence, tile of query rows, KV head) across the CPU's threads.
+keys ``0..position``, or with a sliding window only the last ``window`` of them, never
+reading a block that lies wholly before it (see ``csrc/paged_attention.cpp``). A row's
+arithmetic is a fixed sequence of operations that depends only on its own context, so the
+result is the same alone, in any batch, in any prefill chunk and after preemption. Work is
+split over (sequence, tile of query rows, KV head) across the CPU's threads.
 """
 
 from __future__ import annotations
@@ -47,11 +48,11 @@ class CpuPagedBackend:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: PagedKVCache, metadata: CpuPagedMetadata,
-                scale: float) -> torch.Tensor:
+                scale: float, window: int | None = None) -> torch.Tensor:
         max_code = kv_cache.max_code or 0.0
         slots = metadata.slot_mapping
         self._ops.store_kv(k, kv_cache.key, kv_cache.key_scale, slots, max_code, True)
         self._ops.store_kv(v, kv_cache.value, kv_cache.value_scale, slots, max_code, False)
         return self._ops.paged_attention(q, kv_cache.key, kv_cache.value, kv_cache.key_scale,
                             kv_cache.value_scale, metadata.block_tables, metadata.query_start,
-                            metadata.positions, scale)
+                            metadata.positions, scale, window or 0)

@@ -8,7 +8,8 @@ over sequences; the loop is over the few shape classes present in a step (decode
 prefill chunk or two). Grouping keeps padding below 2x, so a long prefill chunk never
 inflates the decodes it is batched with.
 
-Padding is masked, never read into a result: keys past a query's own position get -inf.
+Padding is masked, never read into a result: keys past a query's own position get -inf
+(and, on a sliding-window layer, keys before its window).
 A row's context always starts at offset 0 and padding only ever follows it, so the
 arithmetic of a row does not depend on the other rows, which keeps greedy output
 batch-invariant.
@@ -22,7 +23,7 @@ rows can see, which skips most of the masked upper triangle.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -46,12 +47,28 @@ class AttentionGroup:
     context_len: int  # NB * block_size = L
     q_index: torch.Tensor | None  # [Tg] row of each token in the padded [G * Qm] layout
     mask: torch.Tensor  # [G, Qm, L] bool, True where a key must be ignored
+    q_pos: torch.Tensor  # [G, Qm] int64 position of each padded query row
     # (first row, end row, first key some row must not see, keys any row can see)
     tiles: list[tuple[int, int, int, int]]
     key_chunk: int  # keys per matrix product of probabilities and values
     # Gather buffers, allocated once per step and reused by every layer.
     keys: torch.Tensor | None = None
     values: torch.Tensor | None = None
+    # Sliding windows: the mask with keys before each row's window ignored too, and the
+    # tiles with their masked span from the first key, built once per window and step.
+    windowed: dict[int, tuple[torch.Tensor, list[tuple[int, int, int, int]]]] = field(
+        default_factory=dict)
+
+    def for_window(self, window: int | None
+                   ) -> tuple[torch.Tensor, list[tuple[int, int, int, int]]]:
+        if window is None:
+            return self.mask, self.tiles
+        if window not in self.windowed:
+            key_pos = torch.arange(self.context_len, device=self.mask.device)
+            before = key_pos.view(1, 1, -1) <= (self.q_pos - window).unsqueeze(-1)
+            self.windowed[window] = (self.mask | before,
+                                     [(s, e, 0, keys) for s, e, _, keys in self.tiles])
+        return self.windowed[window]
 
 
 @dataclass
@@ -126,23 +143,23 @@ class TorchPagedBackend:
             mask_from = min(keys, min(first_pos[start:end]) + 1)
             tiles.append((start, end, mask_from, keys))
         return AttentionGroup(tokens, tables.reshape(-1), len(seqs), max_q, context_len,
-                              q_index, mask, tiles, chunk)
+                              q_index, mask, q_pos, tiles, chunk)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: PagedKVCache, metadata: TorchPagedMetadata,
-                scale: float) -> torch.Tensor:
+                scale: float, window: int | None = None) -> torch.Tensor:
         kv_cache.store(metadata.slot_mapping, k, v)
         if len(metadata.groups) == 1:
-            return _attend(q, kv_cache, metadata.groups[0], scale)
+            return _attend(q, kv_cache, metadata.groups[0], scale, window)
         out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
         for group in metadata.groups:
             qg = q.index_select(0, group.token_index)
-            out.index_copy_(0, group.token_index, _attend(qg, kv_cache, group, scale))
+            out.index_copy_(0, group.token_index, _attend(qg, kv_cache, group, scale, window))
         return out
 
 
 def _attend(q: torch.Tensor, kv_cache: PagedKVCache, group: AttentionGroup,
-            scale: float) -> torch.Tensor:
+            scale: float, window: int | None = None) -> torch.Tensor:
     """``q``: [Tg, Hq, D] -> [Tg, Hq * D] for one group.
 
     1. Gather the group's blocks: [G, L, Hkv, D] for keys and values (one index_select).
@@ -169,18 +186,19 @@ def _attend(q: torch.Tensor, kv_cache: PagedKVCache, group: AttentionGroup,
     keys = keys.view(b, ctx, num_kv_heads, head_dim)
     values = values.view(b, ctx, num_kv_heads, head_dim)
 
+    mask, tiles = group.for_window(window)
     out = q.new_empty(b, qm, num_kv_heads, group_size, head_dim)
     for h in range(num_kv_heads):
         k_h = keys[:, :, h]  # [G, L, D], rows strided by Hkv * D
         v_h = values[:, :, h]
-        for start, end, mask_from, visible in group.tiles:
+        for start, end, mask_from, visible in tiles:
             rows = end - start
             q_t = q_hm[:, h, start:end].reshape(b, rows * group_size, head_dim)
             scores = torch.bmm(q_t, k_h[:, :visible].transpose(1, 2))  # [G, rows*gs, Lt]
             scores = scores.view(b, rows, group_size, visible)
             if mask_from < visible:
                 scores[..., mask_from:].masked_fill_(
-                    group.mask[:, start:end, None, mask_from:visible], float("-inf"))
+                    mask[:, start:end, None, mask_from:visible], float("-inf"))
             probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
             o = _chunked_pv(probs.view(b, rows * group_size, visible), v_h[:, :visible],
                             group.key_chunk)

@@ -25,7 +25,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& key_cache,
                            const c10::optional<at::Tensor>& key_scale,
                            const c10::optional<at::Tensor>& value_scale,
                            const at::Tensor& block_tables, const at::Tensor& query_start,
-                           const at::Tensor& positions, double scale);
+                           const at::Tensor& positions, double scale, int64_t window);
 void store_kv(const at::Tensor& x, at::Tensor& cache, const c10::optional<at::Tensor>& scales,
               const at::Tensor& slots, double max_code, bool transposed);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);

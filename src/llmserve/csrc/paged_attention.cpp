@@ -426,15 +426,18 @@ struct Problem {
   const float* value_scale;
   float* out;
   float sm_scale;
+  int64_t window;  // keys a row sees, ending at its own position (0: all of them)
 };
 
 // Query rows [t0, t0 + rows) of sequence b against KV head h: nq = rows * group query
-// vectors, row-major (r, g), each seeing qlen[i] keys, over the first num_blocks blocks of
-// the sequence's table.
+// vectors, row-major (r, g), each seeing keys [qfirst[i], qlen[i]) (qfirst is 0 but for a
+// sliding window), over blocks [first_block, num_blocks) of the sequence's table (blocks
+// before first_block are out of every row's window and are never read).
 struct Item {
-  int64_t b, t0, rows, h, nq, num_blocks;
+  int64_t b, t0, rows, h, nq, first_block, num_blocks;
   const int64_t* table;
   int64_t qlen[kTile * 64];
+  int64_t qfirst[kTile * 64];
   const float* qptrs[kTile * 64];
 };
 
@@ -496,18 +499,22 @@ void for_each_item(const Problem& p, int64_t num_seqs, F&& body) {
       it.rows = std::min<int64_t>(kTile, p.qstart[it.b + 1] - it.t0);
       it.nq = it.rows * p.group;
       it.table = p.tables + it.b * p.max_blocks;
-      int64_t max_len = 0;
+      int64_t max_len = 0, min_first = INT64_MAX;
       for (int64_t r = 0, i = 0; r < it.rows; ++r) {
         const int64_t len = p.pos[it.t0 + r] + 1;
+        const int64_t first = p.window > 0 ? std::max<int64_t>(0, len - p.window) : 0;
         max_len = std::max(max_len, len);
+        min_first = std::min(min_first, first);
         const float* row = p.q + (it.t0 + r) * p.q_stride + it.h * p.group * p.head_dim;
         for (int64_t g = 0; g < p.group; ++g, ++i) {
           it.qlen[i] = len;
+          it.qfirst[i] = first;
           it.qptrs[i] = row + g * p.head_dim;
         }
       }
       TORCH_CHECK(max_len <= p.max_blocks * p.block_size, "position past the block table");
       it.num_blocks = (max_len + p.block_size - 1) / p.block_size;
+      it.first_block = min_first / p.block_size;
       body(it, scratch);
     }
   });
@@ -535,7 +542,9 @@ struct BlockReader {
     if (scales) prefetch(scale(i), p.block_size * sizeof(float));
   }
   void fetch_first() const {
-    for (int64_t i = 0; i < std::min<int64_t>(kAhead, it.num_blocks); ++i) fetch(i);
+    for (int64_t i = it.first_block; i < std::min<int64_t>(it.first_block + kAhead,
+                                                           it.num_blocks); ++i)
+      fetch(i);
   }
 };
 
@@ -546,7 +555,7 @@ struct BlockReader {
 template <typename T, typename F>
 void for_each_score_tile(const BlockReader<T>& keys, const Item& it, int64_t bs, int64_t pack,
                          int64_t stride, float* scores, float sm_scale, F&& score) {
-  for (int64_t blk = 0; blk < it.num_blocks; blk += 2) {
+  for (int64_t blk = it.first_block; blk < it.num_blocks; blk += 2) {
     const int nb = blk + 1 < it.num_blocks ? 2 : 1;
     for (int b = 0; b < nb; ++b) keys.fetch(blk + b + kAhead);
     for (int64_t c = 0; c < bs; c += kLanes) {
@@ -568,10 +577,14 @@ void for_each_score_tile(const BlockReader<T>& keys, const Item& it, int64_t bs,
 // Softmax numerators of each query vector's scores, in place (lanes past a vector's length
 // are scratch); the max is exact in any order, the sum runs lane-wise over whole vectors,
 // then the tail in order: a fixed order for a given length. inv_sum[i] = 1 / the sum.
+// Keys before a vector's window (qfirst) get exact zeros, whatever was there (scores of
+// blocks the item did not read are never written): the row's sum is then the same
+// whichever blocks its item skipped.
 void softmax_numerators(float* scores, int64_t stride, const Item& it, float* inv_sum) {
   for (int64_t i = 0; i < it.nq; ++i) {
     float* sc = scores + i * stride;
-    const int64_t n = it.qlen[i], body = n - n % kLanes;
+    const int64_t n = it.qlen[i], body = n - n % kLanes, first = it.qfirst[i];
+    if (first > 0) std::fill(sc, sc + first, -std::numeric_limits<float>::infinity());
     float m = sc[0];
     if (body > 0) {
       vfloat mv = vload(sc);
@@ -581,6 +594,7 @@ void softmax_numerators(float* scores, int64_t stride, const Item& it, float* in
     for (int64_t j = body; j < n; ++j) m = std::max(m, sc[j]);
     const vfloat mvec = vsplat(m);
     for (int64_t j = 0; j < n; j += kLanes) vstore(sc + j, vexp(vload(sc + j) - mvec));
+    if (first > 0) std::fill(sc, sc + first, 0.f);  // vexp(-inf) is tiny, not 0
     vfloat sv{};
     for (int64_t j = 0; j < body; j += kLanes) sv += vload(sc + j);
     float sum = vsum(sv);
@@ -629,7 +643,7 @@ void attend_float(const Problem& p, int64_t num_seqs, const T* k_ptr, const T* v
     // 3. Weighted sum of values in key order, a block at a time (its values stay in L1
     //    while every query vector of the item takes its share), then normalize.
     s.acc.assign(static_cast<size_t>(nq * head_dim), 0.f);
-    for (int64_t blk = 0; blk < num_blocks; ++blk) {
+    for (int64_t blk = it.first_block; blk < num_blocks; ++blk) {
       values.fetch(blk + kAhead);
       const T* v = values.data(blk);
       const int64_t j0 = blk * bs;
@@ -697,7 +711,7 @@ void attend_int8_pairs(const Problem& p, int64_t num_seqs, const int8_t* k_ptr,
     s.w16.resize(static_cast<size_t>(nq * stride));
     s.sw.resize(static_cast<size_t>(num_blocks + it.rows));
     s.vsn.resize(static_cast<size_t>(stride + bs));
-    for (int64_t blk = 0; blk < num_blocks; ++blk)
+    for (int64_t blk = it.first_block; blk < num_blocks; ++blk)
       s.sw[blk] = weight_scale(values.scale(blk), bs, bs, s.vsn.data() + blk * bs);
     float* partial_vsn = s.vsn.data() + stride;
     for (int64_t r = 0, i = 0; r < it.rows; ++r) {
@@ -706,7 +720,7 @@ void attend_int8_pairs(const Problem& p, int64_t num_seqs, const int8_t* k_ptr,
         s.sw[num_blocks + r] = weight_scale(values.scale(whole / bs), len - whole, bs,
                                             partial_vsn);
       for (int64_t g = 0; g < group; ++g, ++i)
-        for (int64_t j0 = 0; j0 < len; j0 += bs)
+        for (int64_t j0 = it.first_block * bs; j0 < len; j0 += bs)
           round_weights(s.scores.data() + i * stride + j0,
                         j0 < whole ? s.vsn.data() + j0 : partial_vsn, len - j0, bs,
                         s.w16.data() + i * stride + j0);
@@ -714,7 +728,7 @@ void attend_int8_pairs(const Problem& p, int64_t num_seqs, const int8_t* k_ptr,
     // 3. Weighted sums of values, a block at a time: exact int32 sums over its keys, then
     //    added to the float sums times the weights' scale.
     s.acc.assign(static_cast<size_t>(nq * head_dim), 0.f);
-    for (int64_t blk = 0; blk < num_blocks; ++blk) {
+    for (int64_t blk = it.first_block; blk < num_blocks; ++blk) {
       values.fetch(blk + kAhead);
       const int8_t* v = values.data(blk);
       const int64_t j0 = blk * bs;
@@ -744,13 +758,14 @@ void attend_int8_pairs(const Problem& p, int64_t num_seqs, const int8_t* k_ptr,
 // (P = 2 only for int8); scales (8-bit formats): [blocks, Hkv, block_size] float32;
 // block_tables: [B, max_blocks] int64; query_start: [B + 1] int64 (rows of sequence b are
 // query_start[b]..query_start[b+1]); positions: [T] int64 (row t sees keys 0..positions[t]
-// of its sequence). Returns [T, Hq * D] float32.
+// of its sequence, or with window > 0 only the last `window` of them: keys
+// positions[t] - window + 1..positions[t]). Returns [T, Hq * D] float32.
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& key_cache,
                            const at::Tensor& value_cache,
                            const c10::optional<at::Tensor>& key_scale,
                            const c10::optional<at::Tensor>& value_scale,
                            const at::Tensor& block_tables, const at::Tensor& query_start,
-                           const at::Tensor& positions, double scale) {
+                           const at::Tensor& positions, double scale, int64_t window) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.stride(2) == 1 &&
                   q.stride(1) == q.size(2),
               "q must be a float32 [T, Hq, D] tensor with contiguous heads");
@@ -790,7 +805,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& key_cache,
                   key_scale ? key_scale->data_ptr<float>() : nullptr,
                   value_scale ? value_scale->data_ptr<float>() : nullptr,
                   out.data_ptr<float>(),
-                  static_cast<float>(scale)};
+                  static_cast<float>(scale),
+                  window};
   const int64_t num_seqs = query_start.size(0) - 1;
   if (pairs) {
     attend_int8_pairs(p, num_seqs, key_cache.data_ptr<int8_t>(), value_cache.data_ptr<int8_t>());
