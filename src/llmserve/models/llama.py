@@ -6,20 +6,17 @@ The forward pass works on the step's flattened tokens: ``input_ids`` and ``posit
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import ClassVar
-
 import torch
 from torch import nn
 
 from llmserve.attention import Attention, AttentionContext
 from llmserve.layers.activation import silu_and_mul
-from llmserve.layers.linear import Linear, MergedLinear, VocabEmbedding, finalize_weights
+from llmserve.layers.linear import Linear, MergedLinear, VocabEmbedding
 from llmserve.layers.norm import RMSNorm
 from llmserve.layers.quantization import WeightFormat
-from llmserve.layers.quantization.base import WeightSource, as_float
 from llmserve.layers.rotary import RotaryEmbedding
 from llmserve.models.arch_config import ArchConfig
+from llmserve.models.base import CausalLM
 
 
 class LlamaAttention(nn.Module):
@@ -102,16 +99,7 @@ class LlamaModel(nn.Module):
         return self.norm.add_and_norm(residual, hidden)
 
 
-class LlamaForCausalLM(nn.Module):
-    # Hugging Face parameter names of the separate projections -> (fused module, shard).
-    _stacked: ClassVar[dict[str, tuple[str, str]]] = {
-        "q_proj": ("qkv_proj", "q"),
-        "k_proj": ("qkv_proj", "k"),
-        "v_proj": ("qkv_proj", "v"),
-        "gate_proj": ("gate_up_proj", "gate"),
-        "up_proj": ("gate_up_proj", "up"),
-    }
-
+class LlamaForCausalLM(CausalLM):
     def __init__(self, cfg: ArchConfig, fmt: WeightFormat | None = None) -> None:
         super().__init__()
         fmt = fmt or WeightFormat()
@@ -121,60 +109,3 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = None
         else:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, method=fmt.head_method())
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                ctx: AttentionContext) -> torch.Tensor:
-        """Returns the final hidden states ``[T, hidden]``; see ``compute_logits``."""
-        return self.model(input_ids, positions, ctx)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``hidden``: [N, hidden] at the positions that sample; returns [N, vocab] float32."""
-        if self.lm_head is None:
-            return self.model.embed_tokens.logits(hidden)
-        return self.lm_head(hidden)
-
-    def load_weights(self, weights: Iterable[tuple[str, WeightSource]]) -> None:
-        """Load Hugging Face-named tensors (each quantized as it arrives, by the layer it
-        goes to); fails if any weight is left unset. Packs the layers at the end."""
-        modules = dict(self.named_modules())
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
-                continue
-            if name == "lm_head.weight" and self.lm_head is None:
-                continue  # tied: the embedding is the head
-            module_path, _, param_name = name.rpartition(".")
-            prefix, _, leaf = module_path.rpartition(".")
-            shard = None
-            if leaf in self._stacked:
-                fused, shard = self._stacked[leaf]
-                module_path = f"{prefix}.{fused}"
-            module = modules.get(module_path)
-            if module is None:
-                raise ValueError(f"unexpected tensor {name!r}")
-            if hasattr(module, "load_shard"):
-                module.load_shard(param_name, tensor, shard)
-            else:
-                param = getattr(module, param_name)
-                if param.shape != tensor.shape:
-                    raise ValueError(f"{name}: expected shape {tuple(param.shape)}, "
-                                     f"got {tuple(tensor.shape)}")
-                param.data.copy_(as_float(tensor))
-            loaded.add(f"{module_path}.{param_name}" + (f":{shard}" if shard else ""))
-        missing = self._expected_names() - loaded
-        if missing:
-            raise ValueError(f"missing tensors: {sorted(missing)[:5]}")
-        finalize_weights(self)
-
-    def _expected_names(self) -> set[str]:
-        names: set[str] = set()
-        for mod_name, module in self.named_modules():
-            if isinstance(module, Linear):
-                pnames = ["weight"] + ([] if module.bias is None else ["bias"])
-                shards = module.shard_offsets or {None: None}
-                names.update(f"{mod_name}.{p}" + (f":{s}" if s else "")
-                             for p in pnames for s in shards)
-                continue
-            for pname, _ in module.named_parameters(recurse=False):
-                names.add(f"{mod_name}.{pname}")
-        return names

@@ -28,7 +28,7 @@ from llmserve.layers.quantization import WeightFormat
 from llmserve.models.arch_config import ArchConfig
 from llmserve.models.gguf_loader import GGUFFile
 from llmserve.models.names import DEFAULT_MODEL, NAMED_MODELS
-from llmserve.models.registry import get_model_class, supported_architectures
+from llmserve.models.registry import config_from_hf, get_model_class, supported_architectures
 from llmserve.tokenizer import Tokenizer
 
 
@@ -197,7 +197,7 @@ def _open_hf_dir(path: Path) -> tuple[ArchConfig, Tokenizer, Iterator[tuple[str,
         raise ModelLoadError(f"{path}: not a model directory (no config.json)")
     try:
         raw = json.loads(config_file.read_text())
-        cfg = ArchConfig.from_hf_dict(raw)
+        cfg = config_from_hf(raw)
     except json.JSONDecodeError as e:
         raise ModelLoadError(f"{config_file}: invalid JSON ({e})") from None
     except (KeyError, TypeError) as e:

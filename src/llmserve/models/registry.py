@@ -1,9 +1,14 @@
-"""Maps the ``architectures`` names of model configs to model classes."""
+"""Maps the ``architectures`` names of model configs to model classes, and to the
+configuration class that reads a family's own fields (ArchConfig for the Llama shape)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import nn
 
+from llmserve.models.arch_config import ArchConfig
+from llmserve.models.gemma3 import Gemma3Config, Gemma3ForCausalLM
 from llmserve.models.llama import LlamaForCausalLM
 from llmserve.models.qwen2 import Qwen2ForCausalLM
 
@@ -11,6 +16,11 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+}
+
+CONFIG_CLASSES: dict[str, type[ArchConfig]] = {
+    "Gemma3ForCausalLM": Gemma3Config,
 }
 
 # GGUF ``general.architecture`` values -> registry keys.
@@ -26,6 +36,14 @@ def get_model_class(architecture: str) -> type[nn.Module]:
         return MODEL_REGISTRY[architecture]
     except KeyError:
         raise KeyError(architecture) from None
+
+
+def config_from_hf(raw: dict[str, Any]) -> ArchConfig:
+    """A Hugging Face config.json (parsed), read by its family's configuration class."""
+    archs = raw.get("architectures") or []
+    if not archs:
+        raise KeyError("architectures")
+    return CONFIG_CLASSES.get(archs[0], ArchConfig).from_hf_dict(raw)
 
 
 def supported_architectures() -> list[str]:
