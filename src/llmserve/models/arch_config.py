@@ -62,6 +62,13 @@ class ArchConfig:
         return self.num_hidden_layers * layer + embeddings + h  # final norm
 
     @classmethod
+    def from_gguf(cls, base: ArchConfig, get: Any) -> ArchConfig:
+        """A family's configuration from a GGUF file: ``base`` holds what every family
+        reads from its metadata, ``get(key)`` reads ``<architecture>.<key>``. The Llama
+        shape needs nothing more."""
+        return base
+
+    @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> ArchConfig:
         """Read a Hugging Face config.json (already parsed)."""
         archs = cfg.get("architectures") or []

@@ -37,6 +37,9 @@ class Gemma3Config(ArchConfig):
     layer_types: tuple[str, ...] = ()  # SLIDING or GLOBAL, one per layer
     rope_local_theta: float = 10000.0
     hidden_activation: str = "gelu_pytorch_tanh"
+    # Norm weights as stored: w (Hugging Face; the norm computes x * (1 + w)) or already
+    # 1 + w (llama.cpp's GGUF files).
+    norm_weights_shifted: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -57,6 +60,19 @@ class Gemma3Config(ArchConfig):
         layer = h * (q + 2 * kv) * d + q * d * h + 3 * h * self.intermediate_size
         layer += 4 * h + 2 * d  # four norms, QK-norm
         return self.num_hidden_layers * layer + self.vocab_size * h + h
+
+    @classmethod
+    def from_gguf(cls, base: ArchConfig, get: Any) -> Gemma3Config:
+        """From a GGUF file's metadata (``get(key)`` reads ``gemma3.<key>``), as llama.cpp
+        reads it: every sixth layer global, local rope base 10k, queries scaled by
+        head_dim ** -0.5, norm weights stored as 1 + w."""
+        n = base.num_hidden_layers
+        common = {f.name: getattr(base, f.name) for f in fields(ArchConfig)}
+        return cls(**common, query_pre_attn_scalar=float(base.head_dim),
+                   sliding_window=int(get("attention.sliding_window", 512)),
+                   layer_types=tuple(GLOBAL if (i + 1) % 6 == 0 else SLIDING
+                                     for i in range(n)),
+                   norm_weights_shifted=True)
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> Gemma3Config:
@@ -93,6 +109,16 @@ class Gemma3Config(ArchConfig):
                    layer_types=tuple(types), rope_local_theta=local_theta,
                    hidden_activation=cfg.get("hidden_activation")
                    or cfg.get("hidden_act") or "gelu_pytorch_tanh")
+
+
+# GGUF tensor names of a layer that differ from the Llama shape's (llama.cpp's names).
+GGUF_LAYER_NAMES = {
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+}
 
 
 class Gemma3Attention(nn.Module):
@@ -190,13 +216,15 @@ class Gemma3ForCausalLM(CausalLM):
         if not isinstance(cfg, Gemma3Config):
             raise TypeError("Gemma3ForCausalLM needs a Gemma3Config")
         fmt = fmt or WeightFormat()
-        self.config = cfg
+        self.config: Gemma3Config = cfg
         self.model = Gemma3Model(cfg, fmt)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(
             cfg.hidden_size, cfg.vocab_size, method=fmt.head_method())
 
     def load_weights(self, weights: Iterable[tuple[str, WeightSource]]) -> None:
         super().load_weights(weights)
+        if self.config.norm_weights_shifted:
+            return
         # Gemma's norms compute x * (1 + w): fold the 1 into the weight once.
         with torch.no_grad():
             for module in self.modules():

@@ -21,8 +21,9 @@ from llmserve.errors import ModelLoadError
 from llmserve.layers.quantization import BlockQuantized
 from llmserve.layers.quantization.base import WeightSource
 from llmserve.models.arch_config import ArchConfig, RopeScaling
+from llmserve.models.gemma3 import GGUF_LAYER_NAMES as GEMMA3_LAYER_NAMES
 from llmserve.models.gguf_reader import GGUFFormatError, GGUFReader
-from llmserve.models.registry import GGUF_ARCHITECTURES
+from llmserve.models.registry import CONFIG_CLASSES, GGUF_ARCHITECTURES
 
 GGUF_MAGIC = b"GGUF"
 
@@ -42,6 +43,8 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Families whose layers name some tensors otherwise (their own files say how).
+_FAMILY_LAYER_NAMES = {"gemma3": GEMMA3_LAYER_NAMES}
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -80,7 +83,7 @@ class GGUFFile:
                 factors = next(t for t in self.reader.tensors if t.name == "rope_freqs.weight")
                 values = self.reader.tensor_data(factors).view(np.float32).ravel()
                 scaling = RopeScaling("llama3", freq_factors=tuple(float(x) for x in values))
-            return ArchConfig(
+            base = ArchConfig(
                 architecture=GGUF_ARCHITECTURES[self.gguf_arch],
                 vocab_size=int(n_vocab),
                 hidden_size=hidden,
@@ -98,6 +101,7 @@ class GGUFFile:
                 bos_token_id=self.metadata.get("tokenizer.ggml.bos_token_id"),
                 eos_token_ids=_eos_ids(self.metadata),
             )
+            return CONFIG_CLASSES.get(base.architecture, ArchConfig).from_gguf(base, self.get)
         except (KeyError, TypeError, ValueError) as e:
             raise ModelLoadError(f"{self.path}: incomplete model metadata ({e})") from None
 
@@ -112,8 +116,9 @@ class GGUFFile:
         from gguf import quants
 
         permute_qk = self.gguf_arch in ("llama", "mistral")
+        layer_names = {**_LAYER_NAMES, **_FAMILY_LAYER_NAMES.get(self.gguf_arch, {})}
         for t in self.reader.tensors:
-            name = _hf_name(t.name)
+            name = _hf_name(t.name, layer_names)
             if name is None:
                 continue
             if t.tensor_type.name not in SUPPORTED_TENSOR_TYPES:
@@ -184,12 +189,12 @@ def _open_reader(path: Path) -> GGUFReader:
         raise ModelLoadError(f"{path}: corrupt GGUF file ({e})") from None
 
 
-def _hf_name(gguf_name: str) -> str | None:
+def _hf_name(gguf_name: str, layer_names: dict[str, str]) -> str | None:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     parts = gguf_name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in layer_names:
+        return f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{parts[3]}"
     if gguf_name.startswith("rope_freqs"):
         return None  # Llama 3 frequency factors; recomputed from the scaling metadata
     raise ModelLoadError(f"unexpected tensor {gguf_name!r} in GGUF file")

@@ -28,6 +28,7 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
 
 
