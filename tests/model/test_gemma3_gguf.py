@@ -64,3 +64,16 @@ def test_greedy_continuation_matches_transformers(gguf_path, ours, reference):
     llm = LLM(str(gguf_path), quantization="none", max_model_len=1024, num_kv_blocks=128)
     got = llm.generate([ids], SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
     assert got[0].outputs[0].token_ids == want
+
+
+def test_the_default_format_is_int8_and_still_answers(gguf_path):
+    """auto picks int8 for this file (its 5- and 6-bit layers would lose a third of their
+    perplexity rounded again to 4 bits)."""
+    from llmserve.models.loader import load_model
+    from llmserve.runner.scoring import sequence_logits
+
+    model = load_model(str(gguf_path))
+    assert model.weight_description.startswith("int8"), model.weight_description
+    ids = model.tokenizer.encode(PROMPT)
+    assert model.tokenizer.decode([int(sequence_logits(model.model, ids)[-1].argmax())]) == (
+        " Rome")

@@ -49,3 +49,21 @@ def test_gguf_tensor_type_matches_reference(tmp_path, hf_gguf_base, qtype):
     scale = max(1.0, ref.abs().max().item())
     assert diff < 1e-5 * scale + 1e-5, f"{qtype.name}: max abs difference {diff} (scale {scale})"
     assert loaded.tokenizer.encode("Hello world") == [19556, 905]
+
+
+@pytest.mark.parametrize(("types", "want"), [
+    ({"Q4_1", "Q8_0"}, "int4"),  # SmolLM2's file: its 4-bit blocks load as they are
+    ({"Q4_0"}, "int4"),
+    ({"Q4_K", "Q5_0", "Q6_K", "Q8_0"}, "int8"),  # Gemma 3's Q4_K_M: no second 4-bit rounding
+    ({"Q5_0"}, "int8"),
+    ({"Q8_0", "F16"}, "int8"),
+    ({"F16", "F32"}, "none"),
+])
+def test_auto_quantization_never_rounds_weights_to_4_bits_twice(types, want):
+    from llmserve.models.loader import _auto_quantization
+
+    class File:
+        def weight_types(self):
+            return types
+
+    assert _auto_quantization(File()) == want
