@@ -68,7 +68,11 @@ class Gemma3Config(ArchConfig):
         head_dim ** -0.5, norm weights stored as 1 + w."""
         n = base.num_hidden_layers
         common = {f.name: getattr(base, f.name) for f in fields(ArchConfig)}
-        return cls(**common, query_pre_attn_scalar=float(base.head_dim),
+        # GGUF files do not store query_pre_attn_scalar: llama.cpp uses head_dim, and
+        # hidden / heads for the 27B model (62 layers), as its config.json says.
+        scalar = (base.hidden_size / base.num_attention_heads if n == 62
+                  else float(base.head_dim))
+        return cls(**common, query_pre_attn_scalar=scalar,
                    sliding_window=int(get("attention.sliding_window", 512)),
                    layer_types=tuple(GLOBAL if (i + 1) % 6 == 0 else SLIDING
                                      for i in range(n)),
