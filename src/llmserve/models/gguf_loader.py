@@ -113,7 +113,6 @@ class GGUFFile:
                 ) -> Iterator[tuple[str, WeightSource]]:
         """Yield (Hugging Face name, tensor) pairs one at a time: float32, or with
         ``keep_q4_blocks`` Q4_0/Q4_1 tensors as ``BlockQuantized`` (never expanded)."""
-        from gguf import quants
 
         permute_qk = self.gguf_arch in ("llama", "mistral")
         layer_names = {**_LAYER_NAMES, **_FAMILY_LAYER_NAMES.get(self.gguf_arch, {})}
@@ -136,8 +135,7 @@ class GGUFFile:
                         for a in (blocks.q, blocks.scale, blocks.zero)))
                 yield name, blocks
                 continue
-            array = quants.dequantize(raw, t.tensor_type).astype(np.float32, copy=False)
-            array = array.reshape(t.torch_shape)
+            array = _dequantize(raw, t.tensor_type, tuple(t.torch_shape))
             if permute_qk and name.endswith("q_proj.weight"):
                 array = _unpermute(array, cfg.num_attention_heads)
             elif permute_qk and name.endswith("k_proj.weight"):
@@ -145,6 +143,24 @@ class GGUFFile:
             if not array.flags.writeable:  # a view of the read-only memory map
                 array = array.copy()
             yield name, torch.from_numpy(np.ascontiguousarray(array))
+
+
+_DEQUANT_ROWS = 8192  # rows dequantized at a time
+
+
+def _dequantize(raw: np.ndarray, qtype: Any, shape: tuple[int, ...]) -> np.ndarray:
+    """A tensor as float32, dequantized a slab of rows at a time into its final array:
+    gguf's dequantizers keep several float temporaries of their input's size, which for
+    a large embedding (Gemma 3's 262144 x 640) tripled the memory of the tensor itself."""
+    from gguf import quants
+
+    if raw.ndim != 2 or raw.shape[0] != shape[0] or raw.shape[0] <= _DEQUANT_ROWS:
+        return quants.dequantize(raw, qtype).astype(np.float32, copy=False).reshape(shape)
+    out = np.empty(shape, dtype=np.float32)
+    for r in range(0, shape[0], _DEQUANT_ROWS):
+        out[r:r + _DEQUANT_ROWS] = quants.dequantize(raw[r:r + _DEQUANT_ROWS], qtype).reshape(
+            -1, *shape[1:])
+    return out
 
 
 _Q4_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}  # 32 weights per block

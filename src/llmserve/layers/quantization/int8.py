@@ -44,10 +44,19 @@ LEVELS = 127.0
 RESIDUAL = 2 * LEVELS  # the residual of rounding is within +-s/2: 254 steps of s/254
 
 
+_ROWS_AT_A_TIME = 8192  # float temporaries of a slab, not of a whole large embedding
+
+
 def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-row int8: ``w`` [N, K] float -> (int8 [N, K], float32 scale [N])."""
-    scale = w.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / LEVELS
-    q = torch.round(w / scale.unsqueeze(1)).clamp_(-LEVELS, LEVELS).to(torch.int8)
+    """Symmetric per-row int8: ``w`` [N, K] float -> (int8 [N, K], float32 scale [N]).
+    Rows are independent: computed a slab at a time, with the same result."""
+    q = torch.empty(w.shape, dtype=torch.int8, device=w.device)
+    scale = torch.empty(w.shape[0], dtype=torch.float32, device=w.device)
+    for r in range(0, w.shape[0], _ROWS_AT_A_TIME):
+        part = w[r:r + _ROWS_AT_A_TIME]
+        s = part.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / LEVELS
+        q[r:r + _ROWS_AT_A_TIME] = torch.round(part / s.unsqueeze(1)).clamp_(-LEVELS, LEVELS)
+        scale[r:r + _ROWS_AT_A_TIME] = s
     return q, scale
 
 
