@@ -64,3 +64,26 @@ def test_chat_template_raise_exception_becomes_clear_error():
 def test_bad_messages_rejected():
     with pytest.raises(ChatTemplateError, match="non-empty list"):
         render_chat_template("{{ messages }}", [])
+
+
+def test_gemma3_chat_template_renders_as_in_transformers():
+    """Gemma 3's instruction-tuned template (system folded into the first user turn,
+    "model" turns, roles that must alternate), rendered by our sandbox and by transformers."""
+    from pathlib import Path
+
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    template = (Path(__file__).parents[1] / "data" / "gemma3_chat_template.jinja").read_text()
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": " 2+2? "},
+                {"role": "assistant", "content": "4"},
+                {"role": "user", "content": [{"type": "text", "text": "And 3+3?"}]}]
+    ours = render_chat_template(template, messages, bos_token="<bos>")
+    ref, _ = render_jinja_template(conversations=[messages], chat_template=template,
+                                   add_generation_prompt=True, bos_token="<bos>")
+    assert ours == ref[0]
+    assert ours == ("<bos><start_of_turn>user\nBe brief.\n\n2+2?<end_of_turn>\n"
+                    "<start_of_turn>model\n4<end_of_turn>\n"
+                    "<start_of_turn>user\nAnd 3+3?<end_of_turn>\n<start_of_turn>model\n")
+    with pytest.raises(ChatTemplateError, match="must alternate"):
+        render_chat_template(template, [{"role": "user", "content": "a"},
+                                        {"role": "user", "content": "b"}], bos_token="<bos>")
