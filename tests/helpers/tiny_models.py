@@ -35,6 +35,9 @@ TINY_CONFIGS: dict[str, dict] = {
                     tie_word_embeddings=False),
     # Gemma 3: five sliding-window layers (32 keys, so that a 100-token prompt leaves the
     # window) and a global one, QK-norm, head_dim 16 (the compiled kernels' vector width)
+    # Qwen3: QK-norm on the Llama shape, head_dim set apart from hidden / heads
+    "qwen3": dict(arch="qwen3", num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                  tie_word_embeddings=False),
     "gemma3": dict(arch="gemma3", num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                    num_hidden_layers=6, sliding_window=32, query_pre_attn_scalar=16,
                    tie_word_embeddings=True),
@@ -60,6 +63,7 @@ def build_hf_model(name: str, seed: int = 0):
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
         "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
     }[arch]
     common = {**common, **{k: spec.pop(k) for k in list(spec) if k in common}}
     config = cls_cfg(**common, **spec)

@@ -55,7 +55,7 @@ def test_sharded_safetensors_load_identically(tiny_model_dir):
     assert (sequence_logits(ours, ids) - ref).abs().max().item() < ATOL
 
 
-@pytest.mark.parametrize("name", ["llama-gqa", "llama-tied", "qwen2", "gemma3"])
+@pytest.mark.parametrize("name", ["llama-gqa", "llama-tied", "qwen2", "qwen3", "gemma3"])
 def test_greedy_continuation_matches_transformers(tiny_model_dir, name, cpu_kernels):
     from llmserve import LLM, SamplingParams
 

@@ -37,7 +37,7 @@ def _item(rid, tokens, start, blocks, sample=True):
     return ScheduledRequest(rid, tokens, start, blocks, sample, GREEDY)
 
 
-@pytest.mark.parametrize("name", ["llama-gqa", "gemma3"])
+@pytest.mark.parametrize("name", ["llama-gqa", "gemma3", "qwen3"])
 @pytest.mark.parametrize(("quantization", "dtype", "kv"), FORMATS, ids=lambda v: v)
 def test_logits_identical_alone_and_in_mixed_batches(tiny_model_dir, quantization, dtype, kv,
                                                      name):

@@ -23,6 +23,7 @@ from llmserve.layers.quantization.base import WeightSource
 from llmserve.models.arch_config import ArchConfig, RopeScaling
 from llmserve.models.gemma3 import GGUF_LAYER_NAMES as GEMMA3_LAYER_NAMES
 from llmserve.models.gguf_reader import GGUFFormatError, GGUFReader
+from llmserve.models.qwen3 import GGUF_LAYER_NAMES as QWEN3_LAYER_NAMES
 from llmserve.models.registry import CONFIG_CLASSES, GGUF_ARCHITECTURES
 
 GGUF_MAGIC = b"GGUF"
@@ -44,7 +45,7 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 # Families whose layers name some tensors otherwise (their own files say how).
-_FAMILY_LAYER_NAMES = {"gemma3": GEMMA3_LAYER_NAMES}
+_FAMILY_LAYER_NAMES = {"gemma3": GEMMA3_LAYER_NAMES, "qwen3": QWEN3_LAYER_NAMES}
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",

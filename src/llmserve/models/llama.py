@@ -59,10 +59,10 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ArchConfig, layer_idx: int, rotary: RotaryEmbedding,
-                 fmt: WeightFormat) -> None:
+                 fmt: WeightFormat, attention: type[LlamaAttention] = LlamaAttention) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg, layer_idx, rotary, fmt)
+        self.self_attn = attention(cfg, layer_idx, rotary, fmt)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg, fmt)
 
@@ -81,13 +81,15 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ArchConfig, fmt: WeightFormat) -> None:
+    def __init__(self, cfg: ArchConfig, fmt: WeightFormat,
+                 attention: type[LlamaAttention] = LlamaAttention) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, fmt)
         rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
                                  cfg.rope_scaling)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, i, rotary, fmt) for i in range(cfg.num_hidden_layers))
+            LlamaDecoderLayer(cfg, i, rotary, fmt, attention)
+            for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -100,11 +102,14 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(CausalLM):
+    # A family on the Llama shape with its own attention (Qwen3's QK-norm) names it here.
+    attention_class: type[LlamaAttention] = LlamaAttention
+
     def __init__(self, cfg: ArchConfig, fmt: WeightFormat | None = None) -> None:
         super().__init__()
         fmt = fmt or WeightFormat()
         self.config = cfg
-        self.model = LlamaModel(cfg, fmt)
+        self.model = LlamaModel(cfg, fmt, self.attention_class)
         if cfg.tie_word_embeddings:
             self.lm_head = None
         else:

@@ -11,12 +11,14 @@ from llmserve.models.arch_config import ArchConfig
 from llmserve.models.gemma3 import Gemma3Config, Gemma3ForCausalLM
 from llmserve.models.llama import LlamaForCausalLM
 from llmserve.models.qwen2 import Qwen2ForCausalLM
+from llmserve.models.qwen3 import Qwen3ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
 }
 
 CONFIG_CLASSES: dict[str, type[ArchConfig]] = {
@@ -29,6 +31,7 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
 }
 
 
