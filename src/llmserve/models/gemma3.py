@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmserve.attention import Attention, AttentionContext
+from llmserve.attention import AttentionContext
 from llmserve.layers.linear import Linear, MergedLinear, VocabEmbedding
 from llmserve.layers.norm import RMSNorm
 from llmserve.layers.quantization import WeightFormat
@@ -26,6 +26,7 @@ from llmserve.layers.quantization.base import WeightSource
 from llmserve.layers.rotary import RotaryEmbedding
 from llmserve.models.arch_config import ArchConfig, RopeScaling, _rope_scaling
 from llmserve.models.base import CausalLM
+from llmserve.models.llama import LlamaAttention
 
 SLIDING, GLOBAL = "sliding_attention", "full_attention"
 
@@ -125,34 +126,12 @@ GGUF_LAYER_NAMES = {
 }
 
 
-class Gemma3Attention(nn.Module):
+class Gemma3Attention(LlamaAttention):
     def __init__(self, cfg: Gemma3Config, layer_idx: int, rotary: RotaryEmbedding,
                  fmt: WeightFormat) -> None:
-        super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
-        self.head_dim = d = cfg.head_dim
-        q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
-        self.qkv_proj = MergedLinear(cfg.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size},
-                                     bias=cfg.attention_bias, fmt=fmt)
-        self.o_proj = Linear(q_size, cfg.hidden_size, bias=cfg.attention_bias, fmt=fmt)
-        self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
-        self.rotary = rotary
-        self.attn = Attention(layer_idx, self.num_heads, self.num_kv_heads, d,
-                              scale=cfg.query_pre_attn_scalar ** -0.5,
-                              sliding_window=cfg.window(layer_idx))
-
-    def forward(self, positions: torch.Tensor, x: torch.Tensor,
-                ctx: AttentionContext) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
-        d = self.head_dim
-        # Per head: [T * H, D] rows through the norm, then back to [T, H, D].
-        q = self.q_norm(q.reshape(-1, d)).view(-1, self.num_heads, d)
-        k = self.k_norm(k.reshape(-1, d)).view(-1, self.num_kv_heads, d)
-        v = v.reshape(-1, self.num_kv_heads, d)
-        q, k = self.rotary(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, ctx))
+        super().__init__(cfg, layer_idx, rotary, fmt, qk_norm=True,
+                         scale=cfg.query_pre_attn_scalar ** -0.5,
+                         sliding_window=cfg.window(layer_idx))
 
 
 class Gemma3MLP(nn.Module):

@@ -20,8 +20,13 @@ from llmserve.models.base import CausalLM
 
 
 class LlamaAttention(nn.Module):
+    """Fused q/k/v projection, rotary, paged attention, output projection. Families on this
+    shape add ``qk_norm`` (queries and keys normalised per head before the rotary: Qwen3,
+    Gemma 3), their own ``scale`` and a ``sliding_window``."""
+
     def __init__(self, cfg: ArchConfig, layer_idx: int, rotary: RotaryEmbedding,
-                 fmt: WeightFormat) -> None:
+                 fmt: WeightFormat, *, qk_norm: bool = False, scale: float | None = None,
+                 sliding_window: int | None = None) -> None:
         super().__init__()
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
@@ -31,16 +36,24 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = MergedLinear(cfg.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size},
                                      bias=cfg.attention_bias, fmt=fmt)
         self.o_proj = Linear(q_size, cfg.hidden_size, bias=False, fmt=fmt)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.rotary = rotary
-        self.attn = Attention(layer_idx, self.num_heads, self.num_kv_heads, self.head_dim)
+        self.attn = Attention(layer_idx, self.num_heads, self.num_kv_heads, self.head_dim,
+                              scale=scale, sliding_window=sliding_window)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor,
                 ctx: AttentionContext) -> torch.Tensor:
         qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) * D]
         q, k, v = qkv.split(self.qkv_proj.output_sizes, dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        d = self.head_dim
+        if self.q_norm is not None and self.k_norm is not None:  # per head: [T * H, D] rows
+            q = self.q_norm(q.reshape(-1, d)).view(-1, self.num_heads, d)
+            k = self.k_norm(k.reshape(-1, d)).view(-1, self.num_kv_heads, d)
+        else:
+            q = q.view(-1, self.num_heads, d)
+            k = k.view(-1, self.num_kv_heads, d)
+        v = v.view(-1, self.num_kv_heads, d)
         q, k = self.rotary(positions, q, k)
         return self.o_proj(self.attn(q, k, v, ctx))
 
