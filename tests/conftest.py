@@ -7,6 +7,7 @@ import pytest
 
 import llmserve  # noqa: F401  (sets the math library's reproducibility mode before torch)
 from llmserve import envs
+from llmserve.csrc import cpu_ops
 from tests.helpers.tiny_models import build_hf_model, save_hf_model, smollm2_tokenizer
 
 # Servers started by the tests keep their usage database here, never in the user's data
@@ -78,3 +79,16 @@ def pytest_report_header(config):
         return "llmserve CPU kernels: off (PyTorch fallbacks)"
     return (f"llmserve CPU kernels: built for {ops.isa} (LLMSERVE_CPU_ISA={envs.LLMSERVE_CPU_ISA}),"
             f" integer kernels: {ops.int_kernels or 'none (PyTorch)'}")
+
+
+@pytest.fixture(params=["compiled", "pytorch"])
+def cpu_kernels(request, monkeypatch):
+    """Runs a test with the compiled CPU kernels, and again with the PyTorch fallbacks."""
+    if request.param == "compiled" and cpu_ops() is None:
+        pytest.skip("compiled CPU kernels unavailable (no C++ compiler, or "
+                    "LLMSERVE_CPU_KERNELS=0); runs wherever they build")
+    if request.param == "pytorch":
+        monkeypatch.setattr(envs, "LLMSERVE_CPU_KERNELS", False)
+        cpu_ops.cache_clear()
+    yield request.param
+    cpu_ops.cache_clear()

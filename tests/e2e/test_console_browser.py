@@ -335,7 +335,7 @@ def test_the_model_card(page, keyed_server):
     assert rows["Architecture"] == info["architecture"]
     assert rows["Context window"] == "1,024 tokens"
     assert rows["Weight format"] == info["weight_format"]
-    assert rows["KV capacity"] == f"{info['kv_capacity_tokens']:,} tokens"
+    assert rows["KV capacity"] == f"{info['kv_capacity_tokens']:,} tokens in one sequence"
     assert float(rows["Full-context sequences that fit"].replace(",", "")) == pytest.approx(
         info["kv_capacity_tokens"] / 1024, abs=0.06)
     assert rows["Cost per hour"] == "$2.5"

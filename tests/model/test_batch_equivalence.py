@@ -27,8 +27,8 @@ def _workload(seed: int, n: int, max_prompt: int, max_out: int):
     return prompts, params
 
 
-def _alone(model: str, prompts, params, fmt) -> list[list[int]]:
-    llm = LLM(model, num_kv_blocks=128, max_num_batched_tokens=4096,
+def _alone(model: str, prompts, params, fmt, blocks: int = 128) -> list[list[int]]:
+    llm = LLM(model, num_kv_blocks=blocks, max_num_batched_tokens=4096,
               enable_prefix_caching=False, max_model_len=1024, **fmt)
     return [llm.generate([p], sp)[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
 
@@ -42,11 +42,13 @@ def _batched(model: str, prompts, params, **kw):
     return [o.outputs[0].token_ids for o in outs], stats
 
 
-def _check_equivalence(model: str, max_out: int, **fmt):
+def _check_equivalence(model: str, max_out: int, block_layers: int = 1, **fmt):
+    """``block_layers``: how many times more blocks the model's KV cache groups need than
+    one group holding every layer (a block then holds fewer layers)."""
     prompts, params = _workload(0, 32, 600, max_out)
-    reference = _alone(model, prompts, params, fmt)
+    reference = _alone(model, prompts, params, fmt, 128 * block_layers)
 
-    got, stats = _batched(model, prompts, params, num_kv_blocks=2048,
+    got, stats = _batched(model, prompts, params, num_kv_blocks=2048 * block_layers,
                           max_num_batched_tokens=96, max_num_seqs=32, **fmt)
     assert got == reference
     assert stats.num_preemptions == 0
@@ -60,9 +62,9 @@ def _check_equivalence(model: str, max_out: int, **fmt):
     system = [rng.randrange(17, 49152) for _ in range(200)]
     shared = [system + p[: rng.randint(1, 60)] for p in prompts[:16]]
     shared_params = params[:16]
-    reference = _alone(model, shared, shared_params, fmt)
+    reference = _alone(model, shared, shared_params, fmt, 128 * block_layers)
     for caching in (True, False):
-        got, stats = _batched(model, shared, shared_params, num_kv_blocks=1024,
+        got, stats = _batched(model, shared, shared_params, num_kv_blocks=1024 * block_layers,
                               max_num_batched_tokens=256, enable_prefix_caching=caching, **fmt)
         assert got == reference, f"prefix caching {'on' if caching else 'off'}"
         assert (stats.prefix_hits > 0) == caching
@@ -84,6 +86,14 @@ FORMATS = [
 def test_batched_equals_alone_tiny_model(tiny_model_dir, fmt):
     path, _ = tiny_model_dir("llama-gqa")
     _check_equivalence(str(path), max_out=48, **fmt)
+
+
+@pytest.mark.parametrize("fmt", FORMATS[:2])
+def test_batched_equals_alone_sliding_windows(tiny_model_dir, fmt):
+    """Gemma 3's sliding-window layers (window 32) release blocks as sequences grow, under
+    preemption, and resume the 200-token shared prompt from the prefix cache."""
+    path, _ = tiny_model_dir("gemma3")
+    _check_equivalence(str(path), max_out=48, block_layers=6, **fmt)
 
 
 @pytest.mark.slow

@@ -5,8 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmserve import envs
-from llmserve.csrc import cpu_ops
 from llmserve.models.loader import load_model
 from llmserve.runner.scoring import sequence_logits
 from tests.helpers.tiny_models import TINY_CONFIGS
@@ -17,19 +15,6 @@ ATOL = 1e-4
 def _prompt(n: int, seed: int = 1) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(17, 49152, (n,), generator=g).tolist()
-
-
-@pytest.fixture(params=["compiled", "pytorch"])
-def cpu_kernels(request, monkeypatch):
-    """Runs a test with the compiled CPU kernels, and again with the PyTorch fallbacks."""
-    if request.param == "compiled" and cpu_ops() is None:
-        pytest.skip("compiled CPU kernels unavailable (no C++ compiler, or "
-                    "LLMSERVE_CPU_KERNELS=0); runs wherever they build")
-    if request.param == "pytorch":
-        monkeypatch.setattr(envs, "LLMSERVE_CPU_KERNELS", False)
-        cpu_ops.cache_clear()
-    yield request.param
-    cpu_ops.cache_clear()
 
 
 @pytest.mark.parametrize("name", sorted(TINY_CONFIGS))

@@ -34,7 +34,7 @@ def _runner(model, kv_cache_dtype="float32", num_blocks=256):
 
 
 def _item(rid, tokens, start, blocks, sample=True):
-    return ScheduledRequest(rid, tokens, start, blocks, sample, GREEDY)
+    return ScheduledRequest(rid, tokens, start, [blocks], sample, GREEDY)
 
 
 @pytest.mark.parametrize("name", ["llama-gqa", "gemma3", "qwen3"])

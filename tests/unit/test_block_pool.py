@@ -74,7 +74,7 @@ def test_manager_allocates_by_block_and_frees_everything():
     kv = KVCacheManager(num_blocks=8, block_size=4)
     r = FakeReq("a", list(range(10)))
     new = kv.allocate_slots(r, 10)
-    assert len(new) == 3 and kv.get_block_ids("a") == [0, 1, 2]
+    assert len(new) == 3 and kv.get_block_ids("a") == [[0, 1, 2]]
     r.num_computed_tokens = 10
     assert kv.allocate_slots(r, 2) == []  # 12 tokens still fit in 3 blocks
     r.num_computed_tokens = 12
@@ -100,9 +100,9 @@ def test_prefix_hit_shares_blocks_and_leaves_one_token_to_compute():
     a.num_computed_tokens = 12
     b = FakeReq("b", list(range(12)))  # same 12 tokens: 2 blocks hit, the last is recomputed
     hits, n = kv.get_computed_blocks(b)
-    assert n == 8 and [blk.block_id for blk in hits] == [0, 1]
+    assert n == 8 and [blk.block_id for blk in hits[0]] == [0, 1]
     kv.allocate_slots(b, 4, hits)
-    assert kv.get_block_ids("b")[:2] == [0, 1] and kv.pool.blocks[0].ref_cnt == 2
+    assert kv.get_block_ids("b")[0][:2] == [0, 1] and kv.pool.blocks[0].ref_cnt == 2
     c = FakeReq("c", [*range(8), 99, 98, 97, 96])
     hits, n = kv.get_computed_blocks(c)
     assert n == 8

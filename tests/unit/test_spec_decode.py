@@ -191,7 +191,7 @@ def test_the_speculator_learns_only_from_decode_only_steps():
     params = SamplingParams(max_tokens=8)
 
     def row(rid: str, tokens: int, drafts: int) -> ScheduledRequest:
-        return ScheduledRequest(rid, [1] * tokens, 10, [0], True, params,
+        return ScheduledRequest(rid, [1] * tokens, 10, [[0]], True, params,
                                 num_draft_tokens=drafts)
 
     decode = SchedulerOutput([row("a", 3, 2), row("b", 1, 0)], 4)

@@ -103,7 +103,7 @@ def backend(smol_tokenizer):
 
 def _item(rid: str, constraint: StructuredOutputsParams, drafts: list[int] = ()):
     params = SamplingParams(temperature=0, structured_outputs=constraint)
-    return ScheduledRequest(rid, [0, *drafts], 5, [0], True, params,
+    return ScheduledRequest(rid, [0, *drafts], 5, [[0]], True, params,
                             num_draft_tokens=len(drafts))
 
 

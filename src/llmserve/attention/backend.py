@@ -39,6 +39,11 @@ class AttentionBackend(Protocol):
         """Derive once per step whatever the per-layer ``forward`` needs."""
         ...
 
+    def rebind(self, metadata: Any, layout: BatchLayout) -> Any:
+        """``metadata`` of the same step for another KV cache group: ``layout`` differs
+        only in its block tables and slot mapping."""
+        ...
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: PagedKVCache, metadata: Any, scale: float,
                 window: int | None = None) -> torch.Tensor:
@@ -56,8 +61,8 @@ class AttentionContext:
     """What a model's forward pass carries down to its attention layers for one step."""
 
     backend: AttentionBackend
-    metadata: Any
-    kv_caches: list[PagedKVCache]  # one per layer
+    metadata: list[Any]  # one per layer: its KV cache group's
+    kv_caches: list[PagedKVCache]  # one per layer (layers of different groups share one)
 
 
 _BACKENDS: dict[str, type] = {}

@@ -10,7 +10,7 @@ split over (sequence, tile of query rows, KV head) across the CPU's threads.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -45,6 +45,10 @@ class CpuPagedBackend:
         query_start = torch.tensor(starts, dtype=torch.int64)
         return CpuPagedMetadata(layout.slot_mapping, layout.block_tables.contiguous(),
                                 query_start, layout.positions)
+
+    def rebind(self, metadata: CpuPagedMetadata, layout: BatchLayout) -> CpuPagedMetadata:
+        return replace(metadata, slot_mapping=layout.slot_mapping,
+                       block_tables=layout.block_tables.contiguous())
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: PagedKVCache, metadata: CpuPagedMetadata,

@@ -26,5 +26,6 @@ class Attention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 ctx: AttentionContext) -> torch.Tensor:
         """``q``: [T, Hq, D]; ``k``, ``v``: [T, Hkv, D] (rotary applied); returns [T, Hq*D]."""
-        return ctx.backend.forward(q, k, v, ctx.kv_caches[self.layer_idx], ctx.metadata,
-                                   self.scale, self.sliding_window)
+        i = self.layer_idx
+        return ctx.backend.forward(q, k, v, ctx.kv_caches[i], ctx.metadata[i], self.scale,
+                                   self.sliding_window)

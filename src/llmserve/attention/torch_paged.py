@@ -23,7 +23,7 @@ rows can see, which skips most of the masked upper triangle.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -42,6 +42,7 @@ _KEY_CHUNK = 128
 class AttentionGroup:
     token_index: torch.Tensor | None  # [Tg] int64 rows of the flat batch; None: all rows
     block_ids: torch.Tensor  # [G * NB] int64, the block tables flattened
+    seq_rows: torch.Tensor  # [G] int64, the group's sequences in the batch
     num_seqs: int
     max_query_len: int  # Qm
     context_len: int  # NB * block_size = L
@@ -112,9 +113,6 @@ class TorchPagedBackend:
             device=device)
         positions = layout.positions if tokens is None else layout.positions[tokens]
         rows = torch.tensor(seqs, dtype=torch.int64, device=device)
-        tables = layout.block_tables.index_select(0, rows)[:, :num_blocks]
-        if tables.shape[1] < num_blocks:  # pad to whole chunks; masked, never counted
-            tables = torch.nn.functional.pad(tables, (0, num_blocks - tables.shape[1]))
         if max_q == 1:
             q_index = None
             q_pos = positions.view(len(seqs), 1)
@@ -142,8 +140,18 @@ class TorchPagedBackend:
             # rows are discarded, so what they see does not matter).
             mask_from = min(keys, min(first_pos[start:end]) + 1)
             tiles.append((start, end, mask_from, keys))
-        return AttentionGroup(tokens, tables.reshape(-1), len(seqs), max_q, context_len,
-                              q_index, mask, q_pos, tiles, chunk)
+        return AttentionGroup(tokens, _block_ids(layout.block_tables, rows, num_blocks), rows,
+                              len(seqs), max_q, context_len, q_index, mask, q_pos, tiles,
+                              chunk)
+
+    def rebind(self, metadata: TorchPagedMetadata, layout: BatchLayout) -> TorchPagedMetadata:
+        """The step's metadata with another KV cache group's block tables and slots: the
+        masks and tiles are shared, the gathered block ids and buffers are the group's."""
+        groups = [replace(g, block_ids=_block_ids(layout.block_tables, g.seq_rows,
+                                                  g.block_ids.numel() // g.num_seqs),
+                          keys=None, values=None)
+                  for g in metadata.groups]
+        return TorchPagedMetadata(layout.slot_mapping, groups)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: PagedKVCache, metadata: TorchPagedMetadata,
@@ -224,6 +232,16 @@ def _chunked_pv(probs: torch.Tensor, values: torch.Tensor, chunk: int) -> torch.
     for i in range(1, n):
         out += parts[:, i]
     return out
+
+
+def _block_ids(block_tables: torch.Tensor, rows: torch.Tensor, num_blocks: int
+               ) -> torch.Tensor:
+    """The tables of sequences ``rows``, cut or padded (with block 0: masked, never
+    counted) to ``num_blocks`` and flattened: [len(rows) * num_blocks]."""
+    tables = block_tables.index_select(0, rows)[:, :num_blocks]
+    if tables.shape[1] < num_blocks:
+        tables = torch.nn.functional.pad(tables, (0, num_blocks - tables.shape[1]))
+    return tables.reshape(-1)
 
 
 def _pow2(n: int) -> int:

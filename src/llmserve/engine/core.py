@@ -13,7 +13,12 @@ from llmserve.engine.messages import EngineCoreOutput, ModelCard
 from llmserve.engine.request import Request, RequestStatus
 from llmserve.engine.validation import check_request
 from llmserve.host_memory import retain_freed_memory
-from llmserve.kv_cache import KVCacheManager, KVCacheSpec, num_blocks_for_memory
+from llmserve.kv_cache import (
+    KVCacheManager,
+    KVCacheSpec,
+    group_layers,
+    num_blocks_for_memory,
+)
 from llmserve.kv_cache.sizing import default_kv_cache_memory_gib, describe_capacity
 from llmserve.logger import get_logger
 from llmserve.models.loader import LoadedModel, load_model
@@ -41,29 +46,37 @@ class EngineCore:
 
         cache = config.cache
         kv_dtype = resolve_kv_cache_dtype(cache.kv_cache_dtype, self.loaded.weight_format.dtype)
+        groups = tuple(group_layers([arch.window(i) for i in range(arch.num_hidden_layers)]))
         spec = KVCacheSpec(arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim,
                            cache.block_size, kv_bytes_per_vector(kv_dtype, arch.head_dim),
-                           kv_dtype)
+                           kv_dtype, groups)
         num_blocks = cache.num_blocks or num_blocks_for_memory(
             spec, cache.kv_cache_memory_gib or default_kv_cache_memory_gib())
-        self.max_model_len = self._resolve_max_model_len(num_blocks * cache.block_size)
-        logger.info(describe_capacity(spec, num_blocks, self.max_model_len))
+        step_tokens = config.scheduler.max_num_batched_tokens
+        capacity = spec.max_sequence_tokens(num_blocks, step_tokens)
+        self.max_model_len = self._resolve_max_model_len(capacity)
+        self.kv_spec = spec
+        per_sequence = spec.bytes_per_sequence(self.max_model_len, step_tokens)
+        logger.info(describe_capacity(spec, num_blocks, self.max_model_len, step_tokens))
         self.card = ModelCard(
             arch.architecture, arch.num_parameters, self.loaded.weight_description,
             self.loaded.weight_bytes, kv_dtype, cache.block_size, spec.bytes_per_token,
-            num_blocks * cache.block_size, str(mc.device),
-            config.speculative.method if config.speculative else None)
+            capacity, str(mc.device),
+            config.speculative.method if config.speculative else None,
+            per_sequence, num_blocks * spec.bytes_per_block / per_sequence)
 
         # Hashing stays on without prefix caching: then each request family gets its own
         # salt, so only the n sequences of one request share blocks.
-        self.kv_manager = KVCacheManager(num_blocks, cache.block_size, enable_caching=True)
+        self.kv_manager = KVCacheManager(num_blocks, cache.block_size, enable_caching=True,
+                                         groups=groups)
         self._families: dict[str, list[str]] = {}
         self.scheduler = Scheduler(config.scheduler, self.kv_manager)
         start = time.perf_counter()
         self.runner = ModelRunner(self.loaded.model, arch, num_blocks=num_blocks,
                                   block_size=cache.block_size, device=config.model.device,
                                   kv_cache_dtype=kv_dtype,
-                                  seed=config.seed, eos_token_ids=self.eos_token_ids)
+                                  seed=config.seed, eos_token_ids=self.eos_token_ids,
+                                  kv_groups=[g.layers for g in groups])
         self.kv_cache_seconds = time.perf_counter() - start  # allocating the KV tensors
         self.runner.grammar = GrammarBackend(self.tokenizer, arch.vocab_size,
                                              self.eos_token_ids)

@@ -101,9 +101,11 @@ class ModelCard(msgspec.Struct, array_like=True):
     kv_cache_dtype: str
     kv_block_size: int
     kv_bytes_per_token: int
-    kv_capacity_tokens: int
+    kv_capacity_tokens: int  # the longest sequence the cache holds
     device: str
     speculative: str | None = None
+    kv_bytes_per_sequence: int = 0  # of a full-context sequence, sliding windows included
+    kv_full_context_sequences: float = 0.0  # full-context sequences the cache holds at once
 
 
 class EngineReady(msgspec.Struct, tag="ready", array_like=True):

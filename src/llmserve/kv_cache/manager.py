@@ -1,7 +1,9 @@
 """The scheduler's view of the KV cache: which blocks each request holds, prefix hits.
 
 Pure bookkeeping, no tensors: the runner owns the KV tensors and reads the block ids this
-manager hands out.
+manager hands out. A request holds one block table per KV cache group (see ``groups``);
+in a sliding-window group, the entries its window can no longer reach are released to the
+pool (as ``None``, read as block 0, which the attention kernels never touch there).
 """
 
 from __future__ import annotations
@@ -13,6 +15,10 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from llmserve.kv_cache.block_pool import BlockPool, KVBlock
+from llmserve.kv_cache.groups import KVCacheGroup, first_needed_block
+
+# One request's blocks: a table per group, ``None`` where a sliding window released one.
+BlockTables = list[list[KVBlock | None]]
 
 
 class CachedRequest(Protocol):
@@ -38,15 +44,22 @@ def hash_block(parent: bytes, token_ids: Sequence[int], extra: str | None = None
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 groups: Sequence[KVCacheGroup] | None = None) -> None:
+        """``groups``: the model's KV cache groups (None: one group without a window)."""
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.windows = [g.window for g in groups] if groups else [None]
         self.pool = BlockPool(num_blocks, enable_caching)
-        self._req_blocks: dict[str, list[KVBlock]] = {}
+        self._req_blocks: dict[str, BlockTables] = {}
         self._req_num_hashed: dict[str, int] = {}
         # Prefix-cache statistics in tokens, as vLLM counts them.
         self.prefix_queries = 0
         self.prefix_hits = 0
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.windows)
 
     @property
     def num_blocks(self) -> int:
@@ -59,26 +72,47 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.pool.usage()
 
-    def get_block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self._req_blocks.get(request_id, ())]
+    def get_block_ids(self, request_id: str) -> list[list[int]]:
+        """The request's block table in each group (0 where a window released a block)."""
+        tables = self._req_blocks.get(request_id)
+        if tables is None:
+            return [[] for _ in self.windows]
+        return [[0 if b is None else b.block_id for b in blocks] for blocks in tables]
 
-    def get_computed_blocks(self, request: CachedRequest) -> tuple[list[KVBlock], int]:
-        """Longest run of cached full blocks that starts the request's tokens.
+    def num_held_blocks(self, request_id: str) -> int:
+        """Blocks the request holds now, over all groups."""
+        return sum(b is not None for blocks in self._req_blocks.get(request_id, ())
+                   for b in blocks)
+
+    def get_computed_blocks(self, request: CachedRequest) -> tuple[BlockTables, int]:
+        """Longest cached prefix of the request's tokens that every group can resume from:
+        per group, the blocks a query right after it can see (all of them in a full group,
+        the window's last ones in a sliding group; ``None`` before that).
 
         At least one token is always left to compute, so the step that finishes the prompt
         produces logits to sample from.
         """
+        empty: BlockTables = [[] for _ in self.windows]
         if not self.enable_caching:
-            return [], 0
+            return empty, 0
         hashes = self._block_hashes(request)
-        max_hit_blocks = (request.num_tokens - 1) // self.block_size
-        hits: list[KVBlock] = []
-        for block_hash in hashes[:max_hit_blocks]:
-            block = self.pool.get_cached_block(block_hash)
-            if block is None:
-                break
-            hits.append(block)
-        return hits, len(hits) * self.block_size
+        n = (request.num_tokens - 1) // self.block_size
+        cached = []
+        for g, window in enumerate(self.windows):
+            cached.append([self.pool.get_cached_block(_key(h, g)) for h in hashes[:n]])
+            if window is None:  # the hit ends at the group's first miss
+                n = next((i for i, b in enumerate(cached[g]) if b is None), n)
+        while n > 0 and not all(self._resumable(cached[g], n, w)
+                                for g, w in enumerate(self.windows)):
+            n -= 1
+        if n == 0:
+            return empty, 0
+        bs = self.block_size
+        hits = []
+        for g, window in enumerate(self.windows):
+            first = first_needed_block(n * bs, window, bs)
+            hits.append([None] * first + cached[g][first:n])
+        return hits, n * bs
 
     def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         """Count one admitted request's lookup (retries of a request that did not fit are
@@ -87,39 +121,58 @@ class KVCacheManager:
         self.prefix_hits += num_hit_tokens
 
     def allocate_slots(self, request: CachedRequest, num_new_tokens: int,
-                       new_computed_blocks: Sequence[KVBlock] = ()) -> list[KVBlock] | None:
-        """Make room for ``num_new_tokens`` more tokens; None (and no change) if it cannot.
+                       new_computed_blocks: BlockTables | None = None) -> list[KVBlock] | None:
+        """Make room for ``num_new_tokens`` more tokens; None if it cannot (then nothing
+        changed but the release of step 1, which the request never needs again).
 
-        1. Blocks needed = blocks to cover computed + new tokens, minus blocks held.
-        2. Prefix-hit blocks with ref_cnt 0 sit in the free queue; taking them shrinks what
+        1. In each sliding-window group, release the blocks before the first one the next
+           query can see.
+        2. Blocks needed = per group, the blocks from that first one up to the end of the
+           computed + new tokens, minus those held (or taken as prefix hits).
+        3. Prefix-hit blocks with ref_cnt 0 sit in the free queue; taking them shrinks what
            is left for new blocks, so they are counted against the free blocks first.
-        3. Blocks that will be full after this step are hashed and cached now: the step that
+        4. Blocks that will be full after this step are hashed and cached now: the step that
            fills them always runs, and in each layer keys are written before attention reads.
         """
         rid = request.request_id
-        blocks = self._req_blocks.setdefault(rid, [])
-        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        bs = self.block_size
+        hits = new_computed_blocks or [[] for _ in self.windows]
+        tables = self._req_blocks.get(rid) or [[] for _ in self.windows]
+        num_computed = request.num_computed_tokens + len(hits[0]) * bs
         total = num_computed + num_new_tokens
-        needed = -(-total // self.block_size) - len(blocks) - len(new_computed_blocks)
-        reclaimed = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        end = -(-total // bs)
+        firsts = [first_needed_block(num_computed, w, bs) for w in self.windows]
+        for blocks, first in zip(tables, firsts):
+            self._release_before(blocks, first)
+        needed = sum(max(0, end - max(len(blocks) + len(hit), first))
+                     for blocks, hit, first in zip(tables, hits, firsts))
+        reclaimed = sum(1 for hit in hits for b in hit if b is not None and b.ref_cnt == 0)
         if needed > self.pool.num_free_blocks - reclaimed:
-            if not blocks:
-                del self._req_blocks[rid]
             return None
-        self.pool.touch(list(new_computed_blocks))
-        blocks.extend(new_computed_blocks)
-        new_blocks = self.pool.get_new_blocks(max(needed, 0))
-        blocks.extend(new_blocks)
+        self._req_blocks[rid] = tables
+        # Every group's hits leave the free queue before any new block is taken from it.
+        self.pool.touch([b for hit in hits for b in hit if b is not None])
+        new_blocks = []
+        for blocks, hit, first in zip(tables, hits, firsts):
+            blocks.extend(hit)
+            if len(blocks) < first:  # never computed and already out of the window
+                blocks.extend([None] * (first - len(blocks)))
+            fresh = self.pool.get_new_blocks(max(0, end - len(blocks)))
+            blocks.extend(fresh)
+            new_blocks.extend(fresh)
         if self.enable_caching:
-            self._cache_full_blocks(request, blocks, min(total, request.num_tokens))
+            self._cache_full_blocks(request, tables, min(total, request.num_tokens))
         return new_blocks
 
     def free(self, request: CachedRequest) -> None:
-        """Release every block of the request, last block first (evicted first)."""
-        blocks = self._req_blocks.pop(request.request_id, None)
+        """Release every block of the request, last blocks first (evicted first)."""
+        tables = self._req_blocks.pop(request.request_id, None)
         self._req_num_hashed.pop(request.request_id, None)
-        if blocks:
-            self.pool.free_blocks(list(reversed(blocks)))
+        if tables:
+            longest = max(len(blocks) for blocks in tables)
+            self.pool.free_blocks([blocks[i] for i in range(longest - 1, -1, -1)
+                                   for blocks in tables
+                                   if i < len(blocks) and blocks[i] is not None])
 
     def num_requests(self) -> int:
         return len(self._req_blocks)
@@ -134,16 +187,43 @@ class KVCacheManager:
         return count
 
     def check_integrity(self) -> None:
-        """Pool invariants, plus: each block's ref count equals the requests that hold it."""
+        """Pool invariants, plus: each block's ref count equals the tables that hold it, and
+        every table that holds a block holds it in the same group at the same index."""
         self.pool.check_integrity()
         holders: Counter[int] = Counter()
-        for blocks in self._req_blocks.values():
-            holders.update(b.block_id for b in blocks)
+        places: dict[int, tuple[int, int]] = {}
+        for tables in self._req_blocks.values():
+            assert len(tables) == self.num_groups, f"{len(tables)} tables for {self.num_groups}"
+            for g, blocks in enumerate(tables):
+                for i, b in enumerate(blocks):
+                    if b is None:
+                        continue
+                    holders[b.block_id] += 1
+                    place = places.setdefault(b.block_id, (g, i))
+                    assert place == (g, i), f"{b} held as (group, index) {place} and {(g, i)}"
         for block in self.pool.blocks:
             assert block.ref_cnt == holders[block.block_id], (
-                f"{block}: held by {holders[block.block_id]} requests")
+                f"{block}: held by {holders[block.block_id]} tables")
 
-    def _cache_full_blocks(self, request: CachedRequest, blocks: list[KVBlock],
+    # ---- helpers ------------------------------------------------------------------------
+
+    def _release_before(self, blocks: list[KVBlock | None], first: int) -> None:
+        """Hand back the blocks before ``first``, last first (as ``free`` orders them)."""
+        out = []
+        for i in range(min(first, len(blocks)) - 1, -1, -1):
+            if blocks[i] is None:
+                break  # released by an earlier step, with everything before it
+            out.append(blocks[i])
+            blocks[i] = None
+        if out:
+            self.pool.free_blocks(out)
+
+    def _resumable(self, cached: list[KVBlock | None], n: int, window: int | None) -> bool:
+        """Whether a query at block ``n``'s first token finds every key it sees cached."""
+        first = first_needed_block(n * self.block_size, window, self.block_size)
+        return all(b is not None for b in cached[first:n])
+
+    def _cache_full_blocks(self, request: CachedRequest, tables: BlockTables,
                            num_tokens: int) -> None:
         rid = request.request_id
         num_full = num_tokens // self.block_size
@@ -151,8 +231,10 @@ class KVCacheManager:
         if num_full <= start:
             return
         hashes = self._block_hashes(request)
-        for i in range(start, num_full):
-            self.pool.cache_block(blocks[i], hashes[i])
+        for g, blocks in enumerate(tables):
+            for i in range(start, num_full):
+                if blocks[i] is not None:
+                    self.pool.cache_block(blocks[i], _key(hashes[i], g))
         self._req_num_hashed[rid] = num_full
 
     def _block_hashes(self, request: CachedRequest) -> list[bytes]:
@@ -164,3 +246,9 @@ class KVCacheManager:
             parent = hashes[-1] if hashes else b""
             hashes.append(hash_block(parent, tokens[i * bs:(i + 1) * bs], request.cache_salt))
         return hashes
+
+
+def _key(block_hash: bytes, group: int) -> bytes:
+    """The prefix-cache key of a block in a group: the same tokens hold other layers' KV in
+    another group."""
+    return block_hash if group == 0 else block_hash + group.to_bytes(2, "little")

@@ -47,6 +47,10 @@ class ArchConfig:
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
 
+    def window(self, layer: int) -> int | None:
+        """Layer ``layer``'s sliding window (None: it sees the whole context)."""
+        return None
+
     @property
     def num_parameters(self) -> int:
         """Parameters of the model as trained (before any quantization)."""

@@ -18,6 +18,7 @@ renormalised).
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -42,16 +43,30 @@ class ModelRunner:
     def __init__(self, model: nn.Module, cfg: ArchConfig, *, num_blocks: int, block_size: int,
                  device: str | torch.device = "cpu", kv_cache_dtype: str = "float32",
                  attention_backend: str = "auto", seed: int = 0,
-                 eos_token_ids: frozenset[int] = frozenset()) -> None:
+                 eos_token_ids: frozenset[int] = frozenset(),
+                 kv_groups: Sequence[Sequence[int]] | None = None) -> None:
+        """``kv_groups``: the layers of each KV cache group, every group as many (None: one
+        group of every layer); a request's ``block_ids`` hold one table per group."""
         self.model = model
         self.device = torch.device(device)
         self.block_size = block_size
         self.backend = get_attention_backend(attention_backend, self.device, block_size)
-        self.kv_caches = [
-            PagedKVCache.allocate(kv_cache_dtype, num_blocks, block_size,
-                                  cfg.num_key_value_heads, cfg.head_dim, self.device)
-            for _ in range(cfg.num_hidden_layers)
-        ]
+        groups = [list(g) for g in kv_groups or [range(cfg.num_hidden_layers)]]
+        layers = sorted(layer for g in groups for layer in g)
+        if len({len(g) for g in groups}) != 1 or layers != list(range(cfg.num_hidden_layers)):
+            raise ValueError(f"kv_groups must split the {cfg.num_hidden_layers} layers into "
+                             f"groups of one size, got {groups}")
+        # Layer j of every group stores its KV in the j-th tensor, at the group's block ids.
+        tensors = [PagedKVCache.allocate(kv_cache_dtype, num_blocks, block_size,
+                                         cfg.num_key_value_heads, cfg.head_dim, self.device)
+                   for _ in groups[0]]
+        self.num_groups = len(groups)
+        self.layer_group = [0] * cfg.num_hidden_layers
+        self.kv_caches: list[PagedKVCache] = [tensors[0]] * cfg.num_hidden_layers
+        for g, layers in enumerate(groups):
+            for j, layer in enumerate(layers):
+                self.layer_group[layer] = g
+                self.kv_caches[layer] = tensors[j]
         self.sampler = Sampler()
         self.eos_token_ids = eos_token_ids
         # Masks of requests with structured outputs (set by the engine; none for drafts).
@@ -124,7 +139,8 @@ class ModelRunner:
         held for the duration (they are written)."""
         from llmserve.sampling_params import SamplingParams
 
-        item = ScheduledRequest("__timing__", [0] * num_tokens, 0, block_ids, True,
+        item = ScheduledRequest("__timing__", [0] * num_tokens, 0,
+                                [block_ids] * self.num_groups, True,
                                 SamplingParams(temperature=0, max_tokens=1),
                                 num_draft_tokens=num_tokens - 1)
         best = float("inf")
@@ -137,8 +153,12 @@ class ModelRunner:
     def _forward(self, sched: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor]:
         """Hidden states [T, hidden] of every scheduled token; ends [B]: row of each request's
         last token."""
-        input_ids, layout = self._prepare(sched)
-        ctx = AttentionContext(self.backend, self.backend.build_metadata(layout), self.kv_caches)
+        input_ids, layouts = self._prepare(sched)
+        metadata = [self.backend.build_metadata(layouts[0])]
+        metadata += [self.backend.rebind(metadata[0], layout) for layout in layouts[1:]]
+        ctx = AttentionContext(self.backend, [metadata[g] for g in self.layer_group],
+                               self.kv_caches)
+        layout = layouts[0]
         hidden = self.model(input_ids, layout.positions, ctx)
         ends = torch.cumsum(torch.tensor(layout.query_lens), 0) - 1
         return hidden, ends.to(hidden.device)
@@ -182,26 +202,30 @@ class ModelRunner:
                                         s.sampling_params.prompt_logprobs)
         return first_target, list(zip(ids.tolist(), lps.tolist(), ranks.tolist()))
 
-    def _prepare(self, sched: SchedulerOutput) -> tuple[torch.Tensor, BatchLayout]:
-        """Flatten the step: token ids, positions, slot mapping, padded block tables."""
+    def _prepare(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[BatchLayout]]:
+        """Flatten the step: token ids, positions, and per KV cache group the slot mapping
+        and padded block tables."""
         items = sched.scheduled
         query_lens = [s.num_tokens for s in items]
         seq_lens = [s.start_pos + s.num_tokens for s in items]
-        max_blocks = max(len(s.block_ids) for s in items)
-        tables = torch.tensor([s.block_ids + [0] * (max_blocks - len(s.block_ids))
-                               for s in items], dtype=torch.int64)  # [B, max_blocks]
         input_ids = torch.tensor([t for s in items for t in s.token_ids], dtype=torch.int64)
         positions = torch.cat([torch.arange(s.start_pos, s.start_pos + s.num_tokens)
                                for s in items])
         seq_of_token = torch.repeat_interleave(torch.arange(len(items)),
                                                torch.tensor(query_lens))
-        slots = (tables[seq_of_token, positions // self.block_size] * self.block_size
-                 + positions % self.block_size)
         dev = self.device
-        layout = BatchLayout(slot_mapping=slots.to(dev), block_tables=tables.to(dev),
-                             positions=positions.to(dev), query_lens=query_lens,
-                             seq_lens=seq_lens, block_size=self.block_size)
-        return input_ids.to(dev), layout
+        positions_dev = positions.to(dev)
+        layouts = []
+        for g in range(self.num_groups):
+            max_blocks = max(len(s.block_ids[g]) for s in items)
+            tables = torch.tensor([s.block_ids[g] + [0] * (max_blocks - len(s.block_ids[g]))
+                                   for s in items], dtype=torch.int64)  # [B, max_blocks]
+            slots = (tables[seq_of_token, positions // self.block_size] * self.block_size
+                     + positions % self.block_size)
+            layouts.append(BatchLayout(slot_mapping=slots.to(dev), block_tables=tables.to(dev),
+                                       positions=positions_dev, query_lens=query_lens,
+                                       seq_lens=seq_lens, block_size=self.block_size))
+        return input_ids.to(dev), layouts
 
     def _generator(self, request_id: str, seed: int | None, position: int) -> torch.Generator:
         """The generator of the token sampled at ``position``: the same whatever the batch,

@@ -32,7 +32,7 @@ def sequence_logits(model: nn.Module, token_ids: list[int], *, block_size: int =
                          block_tables=torch.arange(num_blocks, device=device).view(1, -1),
                          positions=positions, query_lens=[n], seq_lens=[n],
                          block_size=block_size)
-    ctx = AttentionContext(attn, attn.build_metadata(layout), kv_caches)
+    ctx = AttentionContext(attn, [attn.build_metadata(layout)] * len(kv_caches), kv_caches)
     ids = torch.tensor(token_ids, dtype=torch.int64, device=device)
     return model.compute_logits(model(ids, positions, ctx))
 

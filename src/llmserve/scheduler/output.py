@@ -19,7 +19,7 @@ class ScheduledRequest:
     request_id: str
     token_ids: list[int]
     start_pos: int
-    block_ids: list[int]  # the request's whole block table
+    block_ids: list[list[int]]  # the request's whole block table in each KV cache group
     sample: bool  # the step reaches the request's last known token: sample the next one
     sampling_params: SamplingParams
     # Copies of the request's tokens where the step reads them (penalties, min_tokens,

@@ -135,7 +135,7 @@ class Scheduler:
             req = queue[0]
             if req.waits_for_lead:
                 break
-            hits, num_hit = [], 0
+            hits, num_hit = None, 0
             if req.num_computed_tokens == 0 and req.prompt_logprobs is None:
                 # (prompt logprobs need logits at every prompt position: no cache hits)
                 hits, num_hit = self.kv.get_computed_blocks(req)

@@ -176,9 +176,7 @@ def build_app(engine: AsyncLLM, config: ServerConfig, metrics: ServerMetrics,
         if ready is not None:
             card = ready.card
             info.update({f: getattr(card, f) for f in card.__struct_fields__})
-            info["full_context_sequences"] = (round(card.kv_capacity_tokens
-                                                    / engine.max_model_len, 1)
-                                              if engine.max_model_len else None)
+            info["full_context_sequences"] = round(card.kv_full_context_sequences, 1)
         return info
 
     mount_console(app, console_info)

@@ -100,7 +100,7 @@ class DraftProposer:
                 if step >= counts[i]:
                     continue
                 pos = r.num_tokens - 1 + step
-                items.append(ScheduledRequest(r.request_id, [token], pos, seq.blocks, True,
+                items.append(ScheduledRequest(r.request_id, [token], pos, [seq.blocks], True,
                                               _GREEDY))
                 owners.append(i)
             logits = self.runner.forward_logits(SchedulerOutput(items, len(items)))
@@ -160,7 +160,7 @@ class DraftProposer:
                     continue
                 items.append(ScheduledRequest(r.request_id,
                                               r.all_token_ids[start:start + take], start,
-                                              seq.blocks, False, _GREEDY))
+                                              [seq.blocks], False, _GREEDY))
                 todo[r.request_id] = start + take
                 used += take
             if not items:

@@ -53,7 +53,9 @@ function showCard(info) {
       && `${info.kv_cache_dtype}, blocks of ${info.kv_block_size} tokens`],
     ["KV bytes per token", info.kv_bytes_per_token && fmt.bytes(info.kv_bytes_per_token)],
     ["KV capacity", info.kv_capacity_tokens
-      && `${fmt.integer(info.kv_capacity_tokens)} tokens`],
+      && `${fmt.integer(info.kv_capacity_tokens)} tokens in one sequence`],
+    ["KV per full-context sequence", info.kv_bytes_per_sequence
+      && fmt.bytes(info.kv_bytes_per_sequence)],
     ["Full-context sequences that fit", fmt.number(info.full_context_sequences)],
     ["Device", info.device],
     ["Speculative decoding", info.speculative || "off"],
