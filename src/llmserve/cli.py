@@ -129,6 +129,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "0.25 to 2 GiB)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    p.add_argument("--disable-hybrid-kv-cache", action="store_true",
+                   help="keep every layer's whole context, sliding-window layers too (one "
+                        "block table per request instead of one per KV cache group)")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="token budget of one engine step")
     p.add_argument("--max-num-seqs", type=int, default=64, help="sequences per step at most")
@@ -170,6 +173,7 @@ def _engine_config(args: argparse.Namespace):
                           int4_group_size=args.int4_group_size),
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory_gib=args.kv_cache_memory,
                           enable_prefix_caching=not args.no_prefix_caching,
+                          hybrid_kv_cache=not args.disable_hybrid_kv_cache,
                           kv_cache_dtype=args.kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_num_seqs=args.max_num_seqs, scheduling=args.scheduling,

@@ -44,6 +44,9 @@ class CacheConfig:
     num_blocks: int | None = None  # overrides the memory budget (tests, benchmarks)
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"  # auto: the dense weight dtype
+    # Sliding-window layers in KV cache groups of their own that release the blocks their
+    # window leaves; False: one block table for every layer, each keeping its whole context.
+    hybrid_kv_cache: bool = True
 
     def __post_init__(self) -> None:
         from llmserve.attention.kv_format import KV_CACHE_DTYPE_CHOICES

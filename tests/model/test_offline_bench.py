@@ -4,9 +4,11 @@ the engine's KV pool is intact after each."""
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 import pytest
 
-from llmserve.bench.offline import MODES, padded_lengths, run_mode, run_offline
+from llmserve.bench.offline import MODES, offline_table, padded_lengths, run_mode, run_offline
 
 
 def test_padded_lengths_are_each_batch_longest():
@@ -31,3 +33,16 @@ def test_modes_generate_the_workload(tiny_model_dir, mode):
     if mode == "static-padded":  # batches {6,2}, {11,4}, {9}: rows run 6, 11 and 9 steps
         assert r.steps >= 6 + 11 + 9
     assert 0 < r.paged_utilization_at_peak <= 1
+
+
+def test_sliding_windows_are_reported_as_memory_saved(tiny_model_dir):
+    """Gemma 3 (window 32): long sequences hold fewer blocks than with every layer global,
+    and the utilization counts only what the held blocks store."""
+    path, _ = tiny_model_dir("gemma3")
+    prompts = [[17 + i + j for j in range(n)] for i, n in enumerate([150, 90, 200])]
+    r = run_mode(str(path), "continuous", prompts, [40, 60, 30], kv_cache_memory=0.01,
+                 max_num_seqs=3, max_num_batched_tokens=64, quantization="none")
+    assert 0.5 < r.paged_utilization_at_peak <= 1
+    assert r.peak_kv_blocks_without_windows > 1.5 * r.peak_kv_blocks_used
+    report = {"results": [asdict(r)], "ratios": {}}
+    assert "less KV memory" in offline_table(report)

@@ -18,7 +18,9 @@ every step:
 
 Reported: output tokens/s of each mode and continuous's ratio to each baseline; peak KV
 memory utilization with paged blocks (KV tokens stored / token slots of the blocks in
-use), beside what reserving each request's maximum length would give.
+use), beside what reserving each request's maximum length would give; and for a model with
+sliding-window layers, the blocks held at the peak against what the same sequences would
+hold with every layer global.
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ class OfflineResult:
     peak_kv_blocks_used: int
     paged_utilization_at_peak: float
     reserved_utilization_at_peak: float
+    # The running sequences at the peak, if every layer kept its whole context.
+    peak_kv_blocks_without_windows: int = 0
 
 
 def sharegpt_like_token_workload(n: int, seed: int, vocab: int = 49152
@@ -78,7 +82,8 @@ def run_mode(model: str, mode: str, prompts: list[list[int]], output_lens: list[
               quantization=quantization)
     llm.generate([prompts[0][:32]], SamplingParams(temperature=0, max_tokens=4))  # warm-up
     engine = llm.engine
-    block_size = engine.kv_manager.block_size
+    kv = engine.kv_manager
+    block_size = kv.block_size
     # Static batches are the first max_num_seqs waiting requests, in order: consecutive
     # slices of the list.
     run_lens = padded_lengths(output_lens, max_num_seqs) if mode == "static-padded" \
@@ -87,25 +92,36 @@ def run_mode(model: str, mode: str, prompts: list[list[int]], output_lens: list[
         engine.add_request(f"{mode}-{i}", prompt,
                            SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True))
     steps, produced = 0, 0
-    peak = (0, 0.0, 0.0)
+    peak = (0, 0.0, 0.0, 0)
     start = time.perf_counter()
     while engine.has_unfinished():
         outs = engine.step()
         steps += 1
         produced += sum(len(o.new_token_ids) for o in outs)
-        used = engine.kv_manager.num_blocks - engine.kv_manager.num_free_blocks
+        used = kv.num_blocks - kv.num_free_blocks
         if used > peak[0]:
             running = engine.scheduler.running
-            stored = sum(r.num_computed_tokens for r in running)
-            reserved = sum(r.num_prompt_tokens + r.max_tokens for r in running)
-            peak = (used, stored / (used * block_size), stored / max(reserved, 1))
+            stored = sum(_tokens_held(kv.held_blocks(r.request_id), r.num_computed_tokens,
+                                      block_size) for r in running)
+            reserved = kv.num_groups * sum(r.num_prompt_tokens + r.max_tokens for r in running)
+            every_layer = kv.num_groups * sum(-(-r.num_computed_tokens // block_size)
+                                              for r in running)
+            peak = (used, stored / (used * block_size), stored / max(reserved, 1), every_layer)
     seconds = time.perf_counter() - start
-    engine.kv_manager.check_integrity()
+    kv.check_integrity()
     if produced != sum(run_lens):
         raise RuntimeError(f"{mode}: {produced} tokens generated, {sum(run_lens)} expected")
     output_tokens = sum(output_lens)  # padding rows' extra tokens are not output
     return OfflineResult(mode, seconds, output_tokens, sum(len(p) for p in prompts),
                          output_tokens / seconds, len(prompts) / seconds, steps, *peak)
+
+
+def _tokens_held(held_per_group: list[int], num_computed: int, block_size: int) -> int:
+    """Tokens stored in a sequence's blocks, summed over its KV cache groups: a group holds
+    the blocks from its first held one to the last computed token (a sliding-window group
+    has released those before)."""
+    end = -(-num_computed // block_size)
+    return sum(num_computed - (end - held) * block_size for held in held_per_group if held)
 
 
 def run_offline(model: str, num_requests: int, seed: int, kv_cache_memory: float,
@@ -156,4 +172,9 @@ def offline_table(report: dict[str, Any]) -> str:
                  f"{cont['paged_utilization_at_peak']:.1%} "
                  f"(goal >= 90%); reserving prompt + max_tokens per request: "
                  f"{cont['reserved_utilization_at_peak']:.1%}")
+    every_layer = cont.get("peak_kv_blocks_without_windows", 0)
+    if every_layer > cont["peak_kv_blocks_used"]:
+        lines.append(f"sliding windows: {cont['peak_kv_blocks_used']} blocks held at the peak; "
+                     f"{every_layer} with every layer global "
+                     f"({1 - cont['peak_kv_blocks_used'] / every_layer:.0%} less KV memory)")
     return "\n".join(lines)

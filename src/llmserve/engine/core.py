@@ -46,7 +46,9 @@ class EngineCore:
 
         cache = config.cache
         kv_dtype = resolve_kv_cache_dtype(cache.kv_cache_dtype, self.loaded.weight_format.dtype)
-        groups = tuple(group_layers([arch.window(i) for i in range(arch.num_hidden_layers)]))
+        windows = [arch.window(i) if cache.hybrid_kv_cache else None
+                   for i in range(arch.num_hidden_layers)]
+        groups = tuple(group_layers(windows))
         spec = KVCacheSpec(arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim,
                            cache.block_size, kv_bytes_per_vector(kv_dtype, arch.head_dim),
                            kv_dtype, groups)

@@ -34,6 +34,7 @@ class LLM:
                  policy: str = "fcfs", enable_chunked_prefill: bool = True,
                  seed: int = 0, quantization: str = "auto", dtype: str = "float32",
                  int4_group_size: int = 32, kv_cache_dtype: str = "auto",
+                 hybrid_kv_cache: bool = True,
                  speculative_config: dict[str, Any] | SpeculativeConfig | None = None) -> None:
         if speculative_config is not None and not isinstance(speculative_config,
                                                              SpeculativeConfig):
@@ -45,7 +46,8 @@ class LLM:
             cache=CacheConfig(block_size=block_size, kv_cache_memory_gib=kv_cache_memory,
                               num_blocks=num_kv_blocks,
                               enable_prefix_caching=enable_prefix_caching,
-                              kv_cache_dtype=kv_cache_dtype),
+                              kv_cache_dtype=kv_cache_dtype,
+                              hybrid_kv_cache=hybrid_kv_cache),
             scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
                                       max_num_seqs=max_num_seqs, scheduling=scheduling,
                                       policy=policy,

@@ -81,8 +81,14 @@ class KVCacheManager:
 
     def num_held_blocks(self, request_id: str) -> int:
         """Blocks the request holds now, over all groups."""
-        return sum(b is not None for blocks in self._req_blocks.get(request_id, ())
-                   for b in blocks)
+        return sum(self.held_blocks(request_id))
+
+    def held_blocks(self, request_id: str) -> list[int]:
+        """Blocks the request holds now in each group."""
+        tables = self._req_blocks.get(request_id)
+        if tables is None:
+            return [0] * self.num_groups
+        return [sum(b is not None for b in blocks) for blocks in tables]
 
     def get_computed_blocks(self, request: CachedRequest) -> tuple[BlockTables, int]:
         """Longest cached prefix of the request's tokens that every group can resume from:
