@@ -131,8 +131,11 @@ def test_draft_model_output_identical(tiny_model_dir, draft):
         assert got == want, f"request {i}: {params[i]}"
 
 
-def test_the_target_as_its_own_draft_is_always_accepted(tiny_model_dir):
-    path, _ = tiny_model_dir("llama-gqa")
+@pytest.mark.parametrize("name", ["llama-gqa", "gemma3"])
+def test_the_target_as_its_own_draft_is_always_accepted(tiny_model_dir, name):
+    """Gemma 3 too: its sliding-window groups release blocks while drafts are verified and
+    rolled back (window 32, sequences of up to 90 tokens)."""
+    path, _ = tiny_model_dir(name)
     prompts, _ = _workload(8)
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     config = {"method": "draft", "model": str(path), "num_speculative_tokens": 4}
@@ -168,3 +171,22 @@ def test_prompt_only_requests_beside_speculating_ones(tiny_model_dir):
     proposer = llm.engine.speculator.proposer
     assert not proposer._seqs and len(proposer._free) == proposer.num_blocks
     llm.engine.kv_manager.check_integrity()
+
+
+def test_rejected_drafts_roll_back_inside_sliding_windows(tiny_model_dir):
+    """Gemma 3 with its first layer as the draft: most drafts are rejected, and the rolled
+    back positions stay inside the blocks the sliding-window groups still hold."""
+    path, _ = tiny_model_dir("gemma3")
+    prompts, _ = _workload(8)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    config = {"method": "draft", "model": str(path), "num_speculative_tokens": 4,
+              "draft_num_layers": 1}
+    llm = LLM(str(path), max_model_len=512, num_kv_blocks=256, speculative_config=config)
+    speculate_always(llm.engine.speculator)
+    want = LLM(str(path), max_model_len=512, num_kv_blocks=256).generate(prompts, params)
+    got = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    stats = llm.engine.stats()
+    assert stats.spec_draft_tokens > stats.spec_accepted_tokens
+    llm.engine.kv_manager.check_integrity()
+    assert stats.kv_blocks_used == 0

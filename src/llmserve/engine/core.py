@@ -91,8 +91,11 @@ class EngineCore:
         from llmserve.spec_decode import Speculator, StepCost, build_proposer
 
         spec = config.speculative
+        # A draft model keeps one block table per request, each block holding all its
+        # layers: as many blocks as the target's cache would have in one group.
+        kv = self.kv_manager
         proposer = build_proposer(spec, target=self.loaded, engine_config=config,
-                                  num_blocks=self.kv_manager.num_blocks)
+                                  num_blocks=max(1, kv.num_blocks // kv.num_groups))
         cost = StepCost(self._measure_step_costs(spec.num_speculative_tokens))
         logger.info("speculative decoding: %s, up to %d draft tokens per request and step; "
                     "measured %s", spec.method, spec.num_speculative_tokens, cost)

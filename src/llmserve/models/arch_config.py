@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +47,10 @@ class ArchConfig:
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
+
+    def first_layers(self, num_layers: int) -> ArchConfig:
+        """The configuration of this model's first ``num_layers`` layers (a draft)."""
+        return dataclasses.replace(self, num_hidden_layers=num_layers)
 
     def window(self, layer: int) -> int | None:
         """Layer ``layer``'s sliding window (None: it sees the whole context)."""

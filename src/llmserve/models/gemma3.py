@@ -11,7 +11,7 @@ folds into the weight; a GeLU-tanh gated MLP; the head tied to the embedding.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
@@ -53,6 +53,10 @@ class Gemma3Config(ArchConfig):
 
     def window(self, layer: int) -> int | None:
         return self.sliding_window if self.layer_types[layer] == SLIDING else None
+
+    def first_layers(self, num_layers: int) -> Gemma3Config:
+        return replace(self, num_hidden_layers=num_layers,
+                       layer_types=self.layer_types[:num_layers])
 
     @property
     def num_parameters(self) -> int:

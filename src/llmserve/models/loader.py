@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import dataclasses
 import importlib.util
 import itertools
 import json
@@ -140,7 +139,7 @@ def _first_layers(cfg: ArchConfig, weights: Iterator[tuple[str, torch.Tensor]],
             if m is None or int(m.group(1)) < num_layers:
                 yield name, tensor
 
-    return dataclasses.replace(cfg, num_hidden_layers=num_layers), kept()
+    return cfg.first_layers(num_layers), kept()
 
 
 def load_tokenizer(model: str = DEFAULT_MODEL) -> Tokenizer:
