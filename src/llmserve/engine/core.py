@@ -58,7 +58,7 @@ class EngineCore:
         capacity = spec.max_sequence_tokens(num_blocks, step_tokens)
         self.max_model_len = self._resolve_max_model_len(capacity)
         self.kv_spec = spec
-        per_sequence = spec.bytes_per_sequence(self.max_model_len, step_tokens)
+        per_sequence = spec.bytes_per_sequence(self.max_model_len, 1)  # while decoding
         logger.info(describe_capacity(spec, num_blocks, self.max_model_len, step_tokens))
         self.card = ModelCard(
             arch.architecture, arch.num_parameters, self.loaded.weight_description,

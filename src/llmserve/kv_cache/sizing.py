@@ -84,16 +84,18 @@ def describe_capacity(spec: KVCacheSpec, num_blocks: int, max_model_len: int,
     head = (f"KV cache: {num_blocks} blocks x {spec.block_size} tokens x "
             f"{spec.layers_per_block} layers ({gib:.2f} GiB of {spec.dtype_name}, "
             f"{spec.bytes_per_token} bytes/token in all layers)")
-    per_seq = spec.bytes_per_sequence(max_model_len, step_tokens)
+    per_seq = spec.bytes_per_sequence(max_model_len, 1)
     fit = num_blocks * spec.bytes_per_block / per_seq
     if not spec.has_windows:
         return (f"{head} = {num_blocks * spec.block_size} tokens; "
                 f"{fit:.1f} sequences of full context ({max_model_len} tokens) fit")
     without = spec.bytes_per_sequence_without_windows(max_model_len)
+    chunked = spec.bytes_per_sequence(max_model_len, step_tokens)
     windows = sorted({g.window for g in spec.groups if g.window is not None})
     sliding = sum(len(g.layers) for g in spec.groups if g.window is not None)
     return (f"{head}; {sliding} of {spec.num_layers} layers keep a sliding window "
             f"({', '.join(map(str, windows))} tokens): a sequence of full context "
             f"({max_model_len} tokens) holds {per_seq / 2**20:.1f} MiB, "
             f"{without / 2**20:.1f} MiB with every layer global "
-            f"({1 - per_seq / without:.0%} saved); {fit:.1f} such sequences fit")
+            f"({1 - per_seq / without:.0%} saved; up to {chunked / 2**20:.1f} MiB while a "
+            f"prefill chunk runs); {fit:.1f} such sequences fit")

@@ -213,18 +213,18 @@ class ModelRunner:
                                for s in items])
         seq_of_token = torch.repeat_interleave(torch.arange(len(items)),
                                                torch.tensor(query_lens))
+        groups = range(self.num_groups)
+        max_blocks = max(len(s.block_ids[g]) for s in items for g in groups)
+        tables = torch.tensor([s.block_ids[g] + [0] * (max_blocks - len(s.block_ids[g]))
+                               for g in groups for s in items], dtype=torch.int64)
+        tables = tables.view(self.num_groups, len(items), max_blocks)  # [G, B, max_blocks]
+        slots = (tables[:, seq_of_token, positions // self.block_size] * self.block_size
+                 + positions % self.block_size)  # [G, T]
         dev = self.device
-        positions_dev = positions.to(dev)
-        layouts = []
-        for g in range(self.num_groups):
-            max_blocks = max(len(s.block_ids[g]) for s in items)
-            tables = torch.tensor([s.block_ids[g] + [0] * (max_blocks - len(s.block_ids[g]))
-                                   for s in items], dtype=torch.int64)  # [B, max_blocks]
-            slots = (tables[seq_of_token, positions // self.block_size] * self.block_size
-                     + positions % self.block_size)
-            layouts.append(BatchLayout(slot_mapping=slots.to(dev), block_tables=tables.to(dev),
-                                       positions=positions_dev, query_lens=query_lens,
-                                       seq_lens=seq_lens, block_size=self.block_size))
+        positions, tables, slots = positions.to(dev), tables.to(dev), slots.to(dev)
+        layouts = [BatchLayout(slot_mapping=slots[g], block_tables=tables[g],
+                               positions=positions, query_lens=query_lens, seq_lens=seq_lens,
+                               block_size=self.block_size) for g in groups]
         return input_ids.to(dev), layouts
 
     def _generator(self, request_id: str, seed: int | None, position: int) -> torch.Generator:
