@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 from llmserve import LLM, SamplingParams
@@ -70,3 +71,9 @@ def test_a_cached_prefix_longer_than_the_window_gives_the_same_tokens(tiny_model
     assert stats.prefix_hits >= 3 * 112  # the system prompt's 7 full blocks, 3 times
     llm.engine.kv_manager.check_integrity()
     assert stats.kv_blocks_used == 0
+
+
+def test_a_cache_too_small_for_one_block_per_group_is_refused(tiny_model_dir):
+    path, _ = tiny_model_dir("gemma3")
+    with pytest.raises(ValueError, match="6 KV cache groups need a block each"):
+        LLM(str(path), num_kv_blocks=5)

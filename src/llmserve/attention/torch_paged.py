@@ -52,9 +52,9 @@ class AttentionGroup:
     # (first row, end row, first key some row must not see, keys any row can see)
     tiles: list[tuple[int, int, int, int]]
     key_chunk: int  # keys per matrix product of probabilities and values
-    # Gather buffers, allocated once per step and reused by every layer.
-    keys: torch.Tensor | None = None
-    values: torch.Tensor | None = None
+    # Gather buffers ("keys", "values"), allocated once per step and reused by every layer
+    # (the KV cache groups' copies of a step share them: each layer fills them whole).
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
     # Sliding windows: the mask with keys before each row's window ignored too, and the
     # tiles with their masked span from the first key, built once per window and step.
     windowed: dict[int, tuple[torch.Tensor, list[tuple[int, int, int, int]]]] = field(
@@ -146,10 +146,9 @@ class TorchPagedBackend:
 
     def rebind(self, metadata: TorchPagedMetadata, layout: BatchLayout) -> TorchPagedMetadata:
         """The step's metadata with another KV cache group's block tables and slots: the
-        masks and tiles are shared, the gathered block ids and buffers are the group's."""
+        masks, tiles and gather buffers are shared, the gathered block ids are the group's."""
         groups = [replace(g, block_ids=_block_ids(layout.block_tables, g.seq_rows,
-                                                  g.block_ids.numel() // g.num_seqs),
-                          keys=None, values=None)
+                                                  g.block_ids.numel() // g.num_seqs))
                   for g in metadata.groups]
         return TorchPagedMetadata(layout.slot_mapping, groups)
 
@@ -187,10 +186,11 @@ def _attend(q: torch.Tensor, kv_cache: PagedKVCache, group: AttentionGroup,
     # [G, Hkv, Qm, group_size, D]
     q_hm = q_pad.view(b, qm, num_kv_heads, group_size, head_dim).permute(0, 2, 1, 3, 4)
     q_hm = (q_hm * scale).contiguous()
-    if group.keys is None:  # first layer of the step: allocate the gather buffers
-        group.keys = kv_cache.gather_buffer(group.block_ids.numel())
-        group.values = kv_cache.gather_buffer(group.block_ids.numel())
-    keys, values = kv_cache.gather(group.block_ids, group.keys, group.values)
+    buffers = group.buffers
+    if not buffers:  # first layer of the step: allocate the gather buffers
+        buffers["keys"] = kv_cache.gather_buffer(group.block_ids.numel())
+        buffers["values"] = kv_cache.gather_buffer(group.block_ids.numel())
+    keys, values = kv_cache.gather(group.block_ids, buffers["keys"], buffers["values"])
     keys = keys.view(b, ctx, num_kv_heads, head_dim)
     values = values.view(b, ctx, num_kv_heads, head_dim)
 

@@ -56,6 +56,10 @@ class EngineCore:
             spec, cache.kv_cache_memory_gib or default_kv_cache_memory_gib())
         step_tokens = config.scheduler.max_num_batched_tokens
         capacity = spec.max_sequence_tokens(num_blocks, step_tokens)
+        if capacity < 1:
+            raise ValueError(f"a KV cache of {num_blocks} blocks cannot hold one token: the "
+                             f"model's {len(groups)} KV cache groups need a block each; give "
+                             "it more memory (--kv-cache-memory) or more blocks")
         self.max_model_len = self._resolve_max_model_len(capacity)
         self.kv_spec = spec
         per_sequence = spec.bytes_per_sequence(self.max_model_len, 1)  # while decoding
