@@ -131,20 +131,26 @@ def test_draft_model_output_identical(tiny_model_dir, draft):
         assert got == want, f"request {i}: {params[i]}"
 
 
-@pytest.mark.parametrize("name", ["llama-gqa", "gemma3"])
-def test_the_target_as_its_own_draft_is_always_accepted(tiny_model_dir, name):
-    """Gemma 3 too: its sliding-window groups release blocks while drafts are verified and
-    rolled back (window 32, sequences of up to 90 tokens)."""
-    path, _ = tiny_model_dir(name)
+def _drafted_equals_plain(path, config: dict, max_tokens: int):
+    """8 greedy requests with the draft ``config`` (speculating every step) and without:
+    the same tokens. Returns the speculating LLM and its stats."""
     prompts, _ = _workload(8)
-    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
-    config = {"method": "draft", "model": str(path), "num_speculative_tokens": 4}
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     llm = LLM(str(path), max_model_len=512, num_kv_blocks=256, speculative_config=config)
     speculate_always(llm.engine.speculator)
     want = LLM(str(path), max_model_len=512, num_kv_blocks=256).generate(prompts, params)
     got = llm.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
-    stats = llm.engine.stats()
+    return llm, llm.engine.stats()
+
+
+@pytest.mark.parametrize("name", ["llama-gqa", "gemma3"])
+def test_the_target_as_its_own_draft_is_always_accepted(tiny_model_dir, name):
+    """Gemma 3 too: its sliding-window groups release blocks while drafts are verified and
+    rolled back (window 32, sequences of up to 90 tokens)."""
+    path, _ = tiny_model_dir(name)
+    config = {"method": "draft", "model": str(path), "num_speculative_tokens": 4}
+    llm, stats = _drafted_equals_plain(path, config, max_tokens=30)
     assert stats.spec_draft_tokens > 0
     assert stats.spec_accepted_tokens == stats.spec_draft_tokens
     assert not llm.engine.speculator.proposer._seqs  # every request's draft blocks freed
@@ -177,16 +183,9 @@ def test_rejected_drafts_roll_back_inside_sliding_windows(tiny_model_dir):
     """Gemma 3 with its first layer as the draft: most drafts are rejected, and the rolled
     back positions stay inside the blocks the sliding-window groups still hold."""
     path, _ = tiny_model_dir("gemma3")
-    prompts, _ = _workload(8)
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     config = {"method": "draft", "model": str(path), "num_speculative_tokens": 4,
               "draft_num_layers": 1}
-    llm = LLM(str(path), max_model_len=512, num_kv_blocks=256, speculative_config=config)
-    speculate_always(llm.engine.speculator)
-    want = LLM(str(path), max_model_len=512, num_kv_blocks=256).generate(prompts, params)
-    got = llm.generate(prompts, params)
-    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
-    stats = llm.engine.stats()
+    llm, stats = _drafted_equals_plain(path, config, max_tokens=40)
     assert stats.spec_draft_tokens > stats.spec_accepted_tokens
     llm.engine.kv_manager.check_integrity()
     assert stats.kv_blocks_used == 0

@@ -4,6 +4,7 @@ import pytest
 
 from llmserve.kv_cache import BlockPool, KVCacheManager
 from llmserve.kv_cache.manager import hash_block
+from tests.helpers.kv_requests import FakeReq
 
 
 def test_allocate_and_free_in_lru_order():
@@ -55,19 +56,6 @@ def test_block_hash_depends_on_parent_tokens_and_extra_keys():
     assert h != hash_block(b"x", [1, 2, 3])
     assert h != hash_block(b"", [1, 2, 4])
     assert h != hash_block(b"", [1, 2, 3], "salt")
-
-
-class FakeReq:
-    def __init__(self, rid: str, tokens: list[int]) -> None:
-        self.request_id = rid
-        self.all_token_ids = list(tokens)
-        self.num_computed_tokens = 0
-        self.block_hashes: list[bytes] = []
-        self.cache_salt = None
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.all_token_ids)
 
 
 def test_manager_allocates_by_block_and_frees_everything():

@@ -11,6 +11,7 @@ import pytest
 from llmserve.kv_cache import KVCacheGroup, KVCacheManager, KVCacheSpec, group_layers
 from llmserve.kv_cache.groups import blocks_per_sequence, first_needed_block
 from llmserve.kv_cache.manager import hash_block
+from tests.helpers.kv_requests import FakeReq as Req
 
 W, BS = 8, 4  # window, block size of the manager tests
 
@@ -47,19 +48,6 @@ def test_first_needed_block():
     assert first_needed_block(31, 32, 16) == 0  # keys 0..31
     assert first_needed_block(48, 32, 16) == 1  # keys 17..48
     assert first_needed_block(63, 32, 16) == 2  # keys 32..63
-
-
-class Req:
-    def __init__(self, rid: str, tokens: list[int]) -> None:
-        self.request_id = rid
-        self.all_token_ids = tokens
-        self.num_computed_tokens = 0
-        self.block_hashes: list[bytes] = []
-        self.cache_salt = None
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.all_token_ids)
 
 
 def _manager(num_blocks: int) -> KVCacheManager:
