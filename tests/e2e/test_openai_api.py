@@ -25,6 +25,13 @@ def _completion_roundtrip(client: openai.OpenAI, model: str, tokenize) -> None:
     assert full.usage.total_tokens == full.usage.prompt_tokens + full.usage.completion_tokens
 
 
+# SmolLM2-135M answers this with "The capital of France is Paris." in every format. Asked
+# "What is the capital of France?" its first token is a near-tie (float32: "The" ahead of
+# "L" by 0.08 logits) that int4 with one activation level, like llama.cpp on the same
+# file, resolves to "L'Étoile, ...".
+CAPITAL = [{"role": "user", "content": "Tell me the capital of France."}]
+
+
 def _chat_roundtrip(client: openai.OpenAI, model: str) -> str:
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     full = client.chat.completions.create(model=model, messages=messages, max_tokens=24,
@@ -54,12 +61,10 @@ def test_real_model_completions_and_chat(real_server, smol_tokenizer):
     _completion_roundtrip(client, real_server.model, smol_tokenizer.encode)
     _chat_roundtrip(client, real_server.model)
     answer = client.chat.completions.create(
-        model=real_server.model, temperature=0, max_tokens=20,
-        messages=[{"role": "user", "content": "What is the capital of France?"}])
+        model=real_server.model, temperature=0, max_tokens=20, messages=CAPITAL)
     assert "Paris" in answer.choices[0].message.content
     usage = answer.usage
-    prompt_ids = smol_tokenizer.encode_chat(
-        [{"role": "user", "content": "What is the capital of France?"}])
+    prompt_ids = smol_tokenizer.encode_chat(CAPITAL)
     assert usage.prompt_tokens == len(prompt_ids)
 
 

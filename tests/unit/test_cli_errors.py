@@ -69,7 +69,9 @@ def test_bad_model_gives_one_line_error_and_exit_2(tmp_path, case):
 
 @pytest.mark.slow
 def test_generate_answers_capital_of_france():
-    proc = _run_cli("generate", "--prompt", "What is the capital of France?", "--temperature", "0")
+    # (not "What is the capital of France?": a near-tie for this model, see test_openai_api)
+    proc = _run_cli("generate", "--prompt", "Tell me the capital of France.", "--temperature",
+                    "0")
     assert proc.returncode == 0, proc.stderr
     assert "Paris" in proc.stdout
 
@@ -78,7 +80,7 @@ def test_generate_answers_capital_of_france():
 def test_chat_streams_answers_and_keeps_history():
     proc = subprocess.run(
         [sys.executable, "-m", "llmserve.cli", "chat", "--temperature", "0", "--max-tokens", "40"],
-        input="What is the capital of France?\nAnd of Italy?\n", capture_output=True, text=True,
+        input="Tell me the capital of France.\nAnd of Italy?\n", capture_output=True, text=True,
         timeout=300)
     assert proc.returncode == 0, proc.stderr
     answers = [line for line in proc.stdout.splitlines() if line.strip()]

@@ -144,7 +144,8 @@ def test_int8_kernel_rejects_mismatched_shapes():
         ops.int8_linear(torch.randn(2, 32), packed, excess, torch.ones(64), 64, 1, 16)
 
 
-# (out, in, group)
+# (out, in, group); row counts below cover one tile (nibbles unpacked in registers) and
+# several (the panel unpacked once), with partial tiles.
 INT4_SHAPES = [(100, 64, 32), (130, 256, 64), (64, 128, 128), (960, 576, 32), (576, 1536, 128)]
 
 
@@ -154,7 +155,7 @@ def test_int4_kernel_equals_reference_bitwise(n: int, k: int, group: int):
     b = quantize_groups(torch.randn(n, k, generator=gen) * 0.05, group)
     scale, zero = b.scale.half(), b.zero.half()
     packed, scale_zero = pack_int4(b.q, scale, zero)
-    for m in (0, 1, 2, 3, 5, 64):
+    for m in (0, 1, 2, 3, 4, 5, 7, 64):
         x = _activations(m, k, gen)
         got = ops.int4_linear(x, packed, scale_zero, group, n)
         assert torch.equal(got, int4_reference(x, b.q, scale, zero)), f"{m} rows"
@@ -162,7 +163,8 @@ def test_int4_kernel_equals_reference_bitwise(n: int, k: int, group: int):
 
 def test_int4_layer_is_close_to_its_dequantized_weight():
     """End to end through the layer: the product of the stored (dequantized) weight, up to
-    the activation split's 15 bits."""
+    the activations' rounding to int8 per group of 32 inputs (at most 1/254 of each group's
+    largest value per input)."""
     gen = torch.Generator().manual_seed(2)
     weight = torch.randn(192, 256, generator=gen) * 0.05
     layer = Linear(256, 192, fmt=WeightFormat("int4", group_size=64))
@@ -171,4 +173,4 @@ def test_int4_layer_is_close_to_its_dequantized_weight():
     assert hasattr(layer, "qweight_vnni")
     x = _activations(7, 256, gen)
     ref = x @ quantize_groups(weight, 64).dequantize().t()
-    assert ((layer(x) - ref).abs().max() / ref.abs().max()).item() < 1e-3
+    assert ((layer(x) - ref).abs().max() / ref.abs().max()).item() < 2e-2

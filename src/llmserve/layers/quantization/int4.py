@@ -9,11 +9,14 @@ float16, as GGUF stores them.
 Two kernels, one per machine (a layer uses one for every batch size, so rows never depend on
 the batch):
 
-- on a CPU with AVX-512 VNNI or AVX2, ``csrc/int4_linear.cpp``: activations split per row
-  into two int8 levels (about 15 bits, as for int8 layers), exact integer dot products per
-  group (``vpdpbusd``, or ``vpmaddubsw`` + ``vpmaddwd`` on AVX2) on nibbles unpacked in
-  registers, group scales applied in float32; both builds give the same bits, and
-  ``int4_reference`` below is the same arithmetic written plainly, for the tests;
+- on a CPU with AVX-512 VNNI or AVX2, ``csrc/int4_linear.cpp``: activations quantized to
+  one int8 level per group of 32 inputs (``ACT_GROUP``, the arithmetic of llama.cpp's Q8_1
+  blocks), exact integer dot products per group (``vpdpbusd``, or ``vpmaddubsw`` +
+  ``vpmaddwd`` on AVX2) on nibbles unpacked in registers, scales applied in float32; both
+  builds give the same bits, and ``int4_reference`` below is the same arithmetic written
+  plainly, for the tests. One level (not two as for int8) halves the integer work, which
+  is what bounds a batch of many rows; scales per 32 inputs keep the loss at +0.3%
+  perplexity on SmolLM2 (BENCHMARKS.md);
 - elsewhere ``aten._weight_int4pack_mm_for_cpu`` with bfloat16 activations and scales. Its
   float16 path would keep 3 more bits but is not vectorized: 60-100x slower. It computes
   each output row on its own, so it is row-invariant too.
@@ -30,7 +33,7 @@ from llmserve.layers.quantization.base import (
     WeightSource,
     register_linear_method,
 )
-from llmserve.layers.quantization.int8 import RESIDUAL, split_levels
+from llmserve.layers.quantization.int8 import LEVELS, quantize_activations
 from llmserve.layers.quantization.vnni import (
     LANES,
     PANEL,
@@ -41,6 +44,7 @@ from llmserve.layers.quantization.vnni import (
 )
 
 ACT_DTYPE = torch.bfloat16
+ACT_GROUP = 32  # inputs per activation scale (the compiled kernel's)
 _MAX_Q = 15
 
 
@@ -85,21 +89,29 @@ def pack_vnni(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
 def int4_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
                    zero: torch.Tensor) -> torch.Tensor:
     """The compiled kernel's arithmetic, plainly: ``x`` [M, K] float32, ``q`` [N, K] 0..15,
-    ``scale``/``zero`` [N, G] (float16 values) -> [M, N] float32, bitwise the kernel's."""
+    ``scale``/``zero`` [N, G] (float16 values) -> [M, N] float32, bitwise the kernel's.
+
+    Per group ``a`` of 32 inputs of a row: ``(s_a, x1) = quantize_activations(x_a)``,
+    ``A = x1 . q`` (exact), ``X = sum x1``; then, over the groups in order,
+    ``out += (scale s_a) A`` and ``out += zero (s_a X)`` with the scale and offset of the
+    weight group holding ``a``."""
     m, k = x.shape
-    groups = scale.shape[1]
-    group = k // groups
-    s, x1, x2 = split_levels(x)
-    codes = (x1 * RESIDUAL + x2).to(torch.int64).view(m, groups, group)  # 254 x1 + x2
-    qg = q.to(torch.int64).view(-1, groups, group)
-    dots = torch.einsum("mgk,ngk->mng", codes, qg)  # exact integers
-    sums = codes.sum(dim=2)  # [M, G]
+    n, groups = scale.shape
+    act_groups = k // ACT_GROUP
+    per_group = k // groups // ACT_GROUP
+    s, x1 = quantize_activations(x.reshape(m * act_groups, ACT_GROUP))
+    s = s.view(m, act_groups)
+    codes = x1.clamp_(-LEVELS, LEVELS).to(torch.int64).view(m, act_groups, ACT_GROUP)
+    qg = q.to(torch.int64).view(n, act_groups, ACT_GROUP)
+    dots = torch.einsum("mak,nak->mna", codes, qg).float()  # exact integers
+    scaled_sums = s * codes.sum(dim=2).float()  # [M, act_groups]
     scale, zero = scale.float(), zero.float()
-    out = torch.zeros(m, q.shape[0])
-    for g in range(groups):
-        out = out + scale[:, g] * dots[:, :, g].float()
-        out = out + zero[:, g] * sums[:, g:g + 1].float()
-    return out * (s / RESIDUAL)
+    out = torch.zeros(m, n)
+    for a in range(act_groups):
+        g = a // per_group
+        out = out + (scale[:, g] * s[:, a:a + 1]) * dots[:, :, a]
+        out = out + zero[:, g] * scaled_sums[:, a:a + 1]
+    return out
 
 
 @register_linear_method("int4")
@@ -142,6 +154,12 @@ class Int4Method(LinearMethod):
         layer.register_buffer("scales_and_zeros", torch.stack(
             [scale.float(), zero.float() + 8 * scale.float()], dim=-1).transpose(0, 1)
             .to(ACT_DTYPE).contiguous())
+
+    def fused_kernel(self, layer: nn.Module) -> tuple | None:
+        if self._ops is None:
+            return None
+        packed, scale_zero, group, out_features = self._kernel_args
+        return ("int4", packed, scale_zero, None, out_features, 0, group)
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if self._ops is not None:
