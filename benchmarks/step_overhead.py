@@ -1,7 +1,9 @@
 """What a decode step costs beyond its kernels: the default model beside a random model of
 the same depth (30 layers) whose layers are tiny (hidden 64), so that its kernels take
 next to no time and its step time is the per-step cost of Python, PyTorch
-dispatch, scheduling and sampling. Both in one run, best of --repeats x 50 steps.
+dispatch, scheduling and sampling. Both in one run, best of --repeats x 50 steps, each
+with the decoder stack as one compiled call (the default, models/fused.py) and module by
+module (LLMSERVE_FUSED_LAYERS=0), alternating.
 
     python benchmarks/step_overhead.py [--batch 1] [--quantization int8]
 """
@@ -34,22 +36,27 @@ def tiny_deep_model(path: Path, layers: int) -> Path:
     return path
 
 
-def step_ms(model: str, quantization: str, batch: int, repeats: int) -> float:
+def step_ms(model: str, quantization: str, batch: int, repeats: int) -> dict[bool, float]:
+    """Best ms per decode step, fused (True) and module by module (False)."""
     llm = LLM(model, quantization=quantization, enable_prefix_caching=False)
     engine = llm.engine
+    fused = engine.loaded.model.model.fused
     rng = random.Random(0)
     for i in range(batch):
         engine.add_request(f"r{i}", [rng.randrange(100, 49000) for _ in range(64)],
                            SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True))
     for _ in range(5):
         engine.step()
-    best = float("inf")
+    best = {True: float("inf"), False: float("inf")}
     for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(50):
-            engine.step()
-        best = min(best, (time.perf_counter() - start) / 50)
-    return best * 1e3
+        for mode in (True, False):
+            fused.enabled = mode
+            start = time.perf_counter()
+            for _ in range(50):
+                engine.step()
+            assert fused.last_step_fused is mode
+            best[mode] = min(best[mode], (time.perf_counter() - start) / 50 * 1e3)
+    return best
 
 
 def main() -> None:
@@ -62,9 +69,13 @@ def main() -> None:
         tiny = tiny_deep_model(Path(tmp) / "tiny30", 30)
         full = step_ms(DEFAULT_MODEL, args.quantization, args.batch, args.repeats)
         bare = step_ms(str(tiny), args.quantization, args.batch, args.repeats)
-    print(f"batch {args.batch}, {args.quantization}: SmolLM2-135M {full:.2f} ms/step; the same "
-          f"30 layers at hidden 64 {bare:.2f} ms/step ({bare / full:.0%} of the step is not "
-          f"the model's arithmetic)")
+    for mode, label in ((True, "fused"), (False, "modules")):
+        print(f"batch {args.batch}, {args.quantization}, {label}: SmolLM2-135M "
+              f"{full[mode]:.2f} ms/step; the same 30 layers at hidden 64 {bare[mode]:.2f} "
+              f"ms/step ({bare[mode] / full[mode]:.0%} of the step is not the model's "
+              "arithmetic)")
+    print(f"fused step / module step: SmolLM2-135M {full[True] / full[False]:.2f}x, tiny layers "
+          f"{bare[True] / bare[False]:.2f}x")
 
 
 if __name__ == "__main__":

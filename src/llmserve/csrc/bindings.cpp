@@ -38,4 +38,47 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #endif
   m.def("argmax_rows", &argmax_rows, "torch.argmax(x, dim=1) for float32 rows, faster");
   m.def("rotary_embedding_", &rotary_embedding_, "rotate-half rotary embedding, in place");
+
+  // Fused decoder layers (decoder_layer.cpp, built by models/fused.py).
+  py::class_<LinearPlan, std::shared_ptr<LinearPlan>>(m, "LinearPlan");
+  m.def("make_linear_plan", &make_linear_plan,
+        "a linear layer's kernel ('dense', 'int8' or 'int4') with its packed weights bound",
+        py::arg("kind"), py::arg("packed"), py::arg("aux"), py::arg("w_scale"),
+        py::arg("out_features"), py::arg("levels"), py::arg("group"), py::arg("bias"));
+  py::class_<DecoderLayerPlan, std::shared_ptr<DecoderLayerPlan>>(m, "DecoderLayerPlan");
+  m.def(
+      "make_layer_plan",
+      [](const LinearPlan& qkv, const LinearPlan& o, const LinearPlan& gate_up,
+         const LinearPlan& down, at::Tensor input_norm, at::Tensor post_norm,
+         c10::optional<at::Tensor> q_norm, c10::optional<at::Tensor> k_norm, double eps,
+         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, at::Tensor cos,
+         at::Tensor sin, double attn_scale, int64_t window) {
+        return std::make_shared<DecoderLayerPlan>(DecoderLayerPlan{
+            qkv, o, gate_up, down, std::move(input_norm), std::move(post_norm),
+            std::move(q_norm), std::move(k_norm), eps, num_heads, num_kv_heads, head_dim,
+            std::move(cos), std::move(sin), attn_scale, window});
+      },
+      "a Llama-shaped decoder layer's weights and shapes");
+  py::class_<DecoderStack, std::shared_ptr<DecoderStack>>(m, "DecoderStack")
+      .def("run", &DecoderStack::run,
+           "every layer on a step's hidden states: (last output, residual stream)",
+           py::arg("hidden"), py::arg("positions"), py::arg("slots"), py::arg("block_tables"),
+           py::arg("query_start"));
+  m.def(
+      "make_decoder_stack",
+      [](std::vector<std::shared_ptr<DecoderLayerPlan>> layers, std::vector<at::Tensor> keys,
+         std::vector<at::Tensor> values, std::vector<c10::optional<at::Tensor>> key_scales,
+         std::vector<c10::optional<at::Tensor>> value_scales, double max_code) {
+        const size_t n = layers.size();
+        TORCH_CHECK(keys.size() == n && values.size() == n && key_scales.size() == n &&
+                        value_scales.size() == n,
+                    "one KV cache per layer");
+        auto stack = std::make_shared<DecoderStack>();
+        stack->layers = std::move(layers);
+        for (size_t i = 0; i < n; ++i)
+          stack->caches.push_back(
+              KVCacheRef{keys[i], values[i], key_scales[i], value_scales[i], max_code});
+        return stack;
+      },
+      "decoder layers with their KV caches bound");
 }

@@ -3,7 +3,10 @@
 
 #include <ATen/ATen.h>
 
+#include <memory>
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace llmserve {
 
@@ -43,5 +46,58 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed,
                        const at::Tensor& scale_zero, int64_t group, int64_t out_features);
 void rotary_embedding_(at::Tensor& q, at::Tensor& k, const at::Tensor& positions,
                        const at::Tensor& cos, const at::Tensor& sin);
+
+// One linear layer's compiled kernel with its packed weights bound (decoder_layer.cpp).
+struct LinearPlan {
+  enum class Kind { kDense, kInt8, kInt4 };
+  Kind kind = Kind::kDense;
+  at::Tensor packed, aux, w_scale;  // aux: int8's excess, int4's scale_zero
+  int64_t out_features = 0, levels = 0, group = 0;
+  c10::optional<at::Tensor> bias;
+  at::Tensor operator()(const at::Tensor& x) const;
+};
+
+std::shared_ptr<LinearPlan> make_linear_plan(const std::string& kind, at::Tensor packed,
+                                             c10::optional<at::Tensor> aux,
+                                             c10::optional<at::Tensor> w_scale,
+                                             int64_t out_features, int64_t levels,
+                                             int64_t group, c10::optional<at::Tensor> bias);
+
+// A Llama-shaped decoder layer's weights and shapes, bound once after loading.
+struct DecoderLayerPlan {
+  LinearPlan qkv, o, gate_up, down;
+  at::Tensor input_norm, post_norm;
+  c10::optional<at::Tensor> q_norm, k_norm;
+  double eps = 1e-6;
+  int64_t num_heads = 0, num_kv_heads = 0, head_dim = 0;
+  at::Tensor cos, sin;  // the rotary tables
+  double attn_scale = 1.0;
+  int64_t window = 0;  // 0: every key of the context
+};
+
+// The layer on `hidden` [T, hidden]: returns (its output, the residual stream). `residual`
+// is updated in place; none for the first layer (the embeddings become the stream).
+std::pair<at::Tensor, at::Tensor> decoder_layer(
+    const DecoderLayerPlan& plan, at::Tensor hidden, c10::optional<at::Tensor> residual,
+    const at::Tensor& positions, at::Tensor& key_cache, at::Tensor& value_cache,
+    const c10::optional<at::Tensor>& key_scale, const c10::optional<at::Tensor>& value_scale,
+    double max_code, const at::Tensor& slots, const at::Tensor& block_tables,
+    const at::Tensor& query_start);
+
+// A model's decoder layers with their KV caches bound: a step's whole stack in one call.
+struct KVCacheRef {
+  at::Tensor key, value;
+  c10::optional<at::Tensor> key_scale, value_scale;
+  double max_code = 0.0;  // the 8-bit formats' largest code (0: a float cache)
+};
+
+struct DecoderStack {
+  std::vector<std::shared_ptr<DecoderLayerPlan>> layers;
+  std::vector<KVCacheRef> caches;  // one per layer
+  // (the last layer's output, the residual stream): the model's final norm adds them.
+  std::pair<at::Tensor, at::Tensor> run(at::Tensor hidden, const at::Tensor& positions,
+                                        const at::Tensor& slots, const at::Tensor& block_tables,
+                                        const at::Tensor& query_start);
+};
 
 }  // namespace llmserve

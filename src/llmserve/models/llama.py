@@ -17,6 +17,7 @@ from llmserve.layers.quantization import WeightFormat
 from llmserve.layers.rotary import RotaryEmbedding
 from llmserve.models.arch_config import ArchConfig
 from llmserve.models.base import CausalLM
+from llmserve.models.fused import FusedDecoder
 
 
 class LlamaAttention(nn.Module):
@@ -104,13 +105,19 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(cfg, i, rotary, fmt, attention)
             for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # The layers as one compiled call when every piece has a kernel (models/fused.py).
+        self.fused = FusedDecoder(list(self.layers))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 ctx: AttentionContext) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)  # [T, hidden]
-        residual = None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, ctx)
+        out = self.fused.run(hidden, positions, ctx)
+        if out is not None:
+            hidden, residual = out
+        else:
+            residual = None
+            for layer in self.layers:
+                hidden, residual = layer(positions, hidden, residual, ctx)
         return self.norm.add_and_norm(residual, hidden)
 
 

@@ -70,6 +70,13 @@ class LinearMethod(ABC):
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """``x``: [M, in] float32 -> [M, out] float32."""
 
+    def fused_kernel(self, layer: nn.Module) -> tuple | None:
+        """The compiled kernel ``apply`` calls, as the arguments of ``make_linear_plan``
+        after its kind (``("int4", packed, scale_zero, None, out, 0, group)``), for a fused
+        decoder layer to call directly; None when ``apply`` runs PyTorch's kernels."""
+        del layer
+        return None
+
     def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` of ``W`` as float32 (for a vocabulary embedding stored this way)."""
         raise NotImplementedError(f"{type(self).__name__} cannot serve as an embedding")

@@ -122,6 +122,12 @@ class DenseMethod(LinearMethod):
         # Read on every call as a tuple (nn.Module's buffer lookup costs ~2 us).
         self._kernel_args = (packed, layer.out_features)
 
+    def fused_kernel(self, layer: nn.Module) -> tuple | None:
+        if self._ops is None:
+            return None
+        packed, out_features = self._kernel_args
+        return ("dense", packed, None, None, out_features, 0, 0)
+
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if self._ops is not None:
             if x.dtype != torch.float32 or x.stride(-1) != 1:

@@ -165,6 +165,9 @@ class Int8Method(LinearMethod):
         # attribute lookup costs ~2 us a buffer, a third of a small layer's kernel time.
         self._kernel_args = (packed, excess, w_scale, layer.out_features, self.levels, group)
 
+    def fused_kernel(self, layer: nn.Module) -> tuple | None:
+        return None if self._ops is None else ("int8", *self._kernel_args)
+
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if self._ops is not None and x.dtype == torch.float32 and x.stride(-1) == 1:
             return self._ops.int8_linear(x, *self._kernel_args)
