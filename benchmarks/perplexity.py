@@ -22,7 +22,7 @@ FORMATS = [
     ("bfloat16", {"quantization": "none", "dtype": "bfloat16"}, "bfloat16", None),
     ("int8", {"quantization": "int8"}, "float32", 0.01),
     ("w8a8", {"quantization": "w8a8"}, "float32", 0.03),
-    ("int4 g32", {"quantization": "int4", "group_size": 32}, "float32", 0.05),
+    ("int4 g32", {"quantization": "int4", "group_size": 32}, "float32", 0.02),
     ("int4 g64", {"quantization": "int4", "group_size": 64}, "float32", 0.05),
     ("int4 g128", {"quantization": "int4", "group_size": 128}, "float32", 0.05),
     ("int4 g32 + KV int8", {"quantization": "int4"}, "int8", None),

@@ -50,9 +50,10 @@ def test_format_logits_close_to_float32(tiny_model_dir, options, kv, bound, min_
 
 @pytest.mark.slow
 def test_perplexity_guard_smollm2():
-    """int8 within 1%, int4 (the default) within 5%, w8a8 within 3% of float32's perplexity
+    """int8 within 1%, int4 (the default) within 2%, w8a8 within 3% of float32's perplexity
     on the fixed prose text, the goals of benchmarks/perplexity.py (w8a8 measured +1.96%
-    with activation scales per group; one scale per row was +3.74%)."""
+    with activation scales per group, one scale per row was +3.74%; int4 +0.44% with one
+    activation level per 32 inputs, +0.21% with two per row)."""
     from pathlib import Path
 
     from llmserve.models.loader import DEFAULT_MODEL
@@ -65,7 +66,7 @@ def test_perplexity_guard_smollm2():
         ppl[q] = perplexity(loaded.model, loaded.tokenizer.encode(text))
     assert 5 < ppl["none"] < 100, ppl  # a trained model on English prose
     assert ppl["int8"] / ppl["none"] - 1 < 0.01, ppl
-    assert ppl["int4"] / ppl["none"] - 1 < 0.05, ppl
+    assert ppl["int4"] / ppl["none"] - 1 < 0.02, ppl
     assert ppl["int8"] < ppl["w8a8"] < ppl["none"] * 1.03, ppl  # one level costs more
 
 

@@ -69,6 +69,36 @@ struct AlignedFree {
   void operator()(uint8_t* p) const { std::free(p); }
 };
 
+// One group of kActGroup inputs to int8 codes: s = max(max|x| / 127, smallest normal float),
+// codes = round(x (1 / s)) (half to even, clamped to [-127, 127]): split_row's one-level
+// arithmetic (vnni.h), on two vectors at once. scaled_sum = s times the sum of the codes.
+inline void quantize_group(const float* x, int8_t* codes, float& scale, float& scaled_sum) {
+#if LLMSERVE_HAS_VNNI
+  static_assert(kActGroup == 32, "two 16-lane vectors per group");
+  const __m512 v0 = _mm512_loadu_ps(x), v1 = _mm512_loadu_ps(x + 16);
+  const float s = std::max(
+      _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1))) / kLevels,
+      std::numeric_limits<float>::min());
+  constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  const __m512 inv = _mm512_set1_ps(1.f / s), hi = _mm512_set1_ps(kLevels),
+               lo = _mm512_set1_ps(-kLevels);
+  const __m512i c0 = _mm512_cvtps_epi32(_mm512_min_ps(
+      _mm512_max_ps(_mm512_roundscale_ps(_mm512_mul_ps(v0, inv), kNearest), lo), hi));
+  const __m512i c1 = _mm512_cvtps_epi32(_mm512_min_ps(
+      _mm512_max_ps(_mm512_roundscale_ps(_mm512_mul_ps(v1, inv), kNearest), lo), hi));
+  _mm512_mask_cvtepi32_storeu_epi8(codes, 0xFFFF, c0);
+  _mm512_mask_cvtepi32_storeu_epi8(codes + 16, 0xFFFF, c1);
+  scale = s;
+  scaled_sum = s * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(c0, c1)));
+#else
+  const float s = split_row(x, kActGroup, 0, reinterpret_cast<uint8_t*>(codes), nullptr);
+  int32_t sum = 0;
+  for (int i = 0; i < kActGroup; ++i) sum += codes[i];
+  scale = s;
+  scaled_sum = s * static_cast<float>(sum);
+#endif
+}
+
 // Checks the arguments, quantizes each row of x (one int8 level per group of kActGroup
 // inputs) and runs `tiles` over (panel, tile of up to kMaxTileRows rows) items, panel-major.
 at::Tensor run_int4(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale_zero,
@@ -98,17 +128,12 @@ at::Tensor run_int4(const at::Tensor& x, const at::Tensor& packed, const at::Ten
   std::vector<float> scales(m * act_groups), scaled_sums(m * act_groups);
   const float* xp = x.data_ptr<float>();
   at::parallel_for(0, m, 8, [&](int64_t b, int64_t e) {
-    for (int64_t r = b; r < e; ++r) {
+    for (int64_t r = b; r < e; ++r)
       for (int64_t a = 0; a < act_groups; ++a) {
-        int8_t* c = codes.data() + r * k + a * kActGroup;
-        const float s = split_row(xp + r * x.stride(0) + a * kActGroup, kActGroup, 0,
-                                  reinterpret_cast<uint8_t*>(c), nullptr);
-        int32_t sum = 0;
-        for (int i = 0; i < kActGroup; ++i) sum += c[i];
-        scales[r * act_groups + a] = s;
-        scaled_sums[r * act_groups + a] = s * static_cast<float>(sum);
+        const int64_t i = r * act_groups + a;
+        quantize_group(xp + r * x.stride(0) + a * kActGroup, codes.data() + r * k + a * kActGroup,
+                       scales[i], scaled_sums[i]);
       }
-    }
   });
 
   const int64_t tiles = (m + kMaxTileRows - 1) / kMaxTileRows;

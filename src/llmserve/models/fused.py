@@ -50,6 +50,8 @@ class FusedDecoder:
         metadata = ctx.metadata[0]
         if any(m is not metadata for m in ctx.metadata):
             return None  # several KV cache groups: one table per group, not one per stack
+        if metadata.positions is not positions:
+            return None  # the kernels take one positions tensor for rotary and attention
         stack = self._stack_for(ctx.kv_caches)
         if stack is None:
             return None
