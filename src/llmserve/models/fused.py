@@ -33,9 +33,10 @@ class FusedDecoder:
         self.enabled = envs.LLMSERVE_FUSED_LAYERS
         self._layers = layers
         self._plans: list[Any] | None = None  # built on first use: weights are packed by then
-        # Stacks bound to the runners' KV cache lists, newest last: a model may serve two
-        # runners (as its own draft); older ones are dropped so that no cache outlives them.
-        self._stacks: list[tuple[list, Any]] = []
+        # Stacks bound to the runners' KV cache lists (and the caches they held then), newest
+        # last: a model may serve two runners (as its own draft); older ones are dropped so
+        # that no cache outlives them.
+        self._stacks: list[tuple[list, list, Any]] = []
         self.last_step_fused = False  # for tests and benchmarks
 
     def run(self, hidden: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext
@@ -60,8 +61,8 @@ class FusedDecoder:
                          metadata.query_start)
 
     def _stack_for(self, caches: list) -> Any:
-        for bound, stack in self._stacks:
-            if bound is caches:
+        for bound, held, stack in self._stacks:
+            if bound is caches and all(a is b for a, b in zip(held, caches, strict=True)):
                 return stack
         if self._plans is None:
             self._plans = _layer_plans(self._layers) or []
@@ -76,7 +77,7 @@ class FusedDecoder:
             self._plans, [c.key for c in caches], [c.value for c in caches],
             [c.key_scale for c in caches], [c.value_scale for c in caches],
             float(max_codes.pop() or 0.0))
-        self._stacks = [*self._stacks[-1:], (caches, stack)]
+        self._stacks = [*self._stacks[-1:], (caches, list(caches), stack)]
         return stack
 
 
