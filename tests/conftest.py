@@ -62,6 +62,7 @@ KERNEL_TESTS = {
     "tests/model/test_quantization.py",
     "tests/model/test_hf_logits.py",
     "tests/model/test_batch_equivalence.py",
+    "tests/model/test_fused_layers.py",
 }
 
 

@@ -145,8 +145,10 @@ at::Tensor run_int4(const at::Tensor& x, const at::Tensor& packed, const at::Ten
   const bool expand = tiles > 1 && kernels.expand != nullptr;
   at::parallel_for(0, panels * tiles, 1, [&](int64_t b, int64_t e) {
     std::unique_ptr<uint8_t, AlignedFree> bytes;
-    if (expand)
+    if (expand) {
       bytes.reset(static_cast<uint8_t*>(std::aligned_alloc(64, static_cast<size_t>(k) * 64)));
+      TORCH_CHECK(bytes != nullptr, "int4_linear: no memory for an unpacked panel");
+    }
     int64_t expanded_panel = -1;
     for (int64_t item = b; item < e; ++item) {
       const int64_t p = item / tiles, t0 = (item % tiles) * kMaxTileRows;
