@@ -4,6 +4,7 @@ cache format, through chunked prefills, mixed batches and decodes."""
 
 from __future__ import annotations
 
+import gc
 import random
 
 import pytest
@@ -105,3 +106,33 @@ def test_one_model_serves_two_runners(tiny_model_dir):
         assert torch.equal(one.forward_logits(step), ref[i])
         assert torch.equal(two.forward_logits(step), ref[i])
     assert model.model.model.fused.last_step_fused
+
+
+def test_a_stack_goes_with_its_runner(tiny_model_dir):
+    """The stack holds its runner's KV cache tensors: it must not keep them once the runner
+    is gone (an engine restarted on the same loaded model would hold two caches)."""
+    path, _ = tiny_model_dir("llama-gqa")
+    model = load_model(str(path))
+    fused = model.model.model.fused
+    runner = ModelRunner(model.model, model.arch_config, num_blocks=64, block_size=BS)
+    runner.forward_logits(_steps(3)[0])
+    assert fused.last_step_fused and len(fused._stacks) == 1
+    del runner
+    gc.collect()
+    assert len(fused._stacks) == 0
+
+
+def test_a_family_with_its_own_forward_keeps_the_module_path(tiny_model_dir):
+    """A subclass that overrides a module's forward is not what the C++ layer computes."""
+    from llmserve.models.llama import LlamaMLP
+
+    class DoubledMLP(LlamaMLP):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(x) * 2
+
+    path, _ = tiny_model_dir("llama-gqa")
+    model = load_model(str(path))
+    model.model.model.layers[1].mlp.__class__ = DoubledMLP
+    runner = ModelRunner(model.model, model.arch_config, num_blocks=64, block_size=BS)
+    runner.forward_logits(_steps(4)[0])
+    assert not model.model.model.fused.last_step_fused

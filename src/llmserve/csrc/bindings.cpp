@@ -60,8 +60,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       "a Llama-shaped decoder layer's weights and shapes");
   py::class_<DecoderStack, std::shared_ptr<DecoderStack>>(m, "DecoderStack")
+      // Without the GIL: a structured-output worker builds its masks while the stack runs,
+      // as it does between the modules' calls.
       .def("run", &DecoderStack::run,
            "every layer on a step's hidden states: (last output, residual stream)",
+           py::call_guard<py::gil_scoped_release>(),
            py::arg("hidden"), py::arg("positions"), py::arg("slots"), py::arg("block_tables"),
            py::arg("query_start"));
   m.def(

@@ -9,8 +9,8 @@
 // (scale and zero of the weight group holding a), in that order, without fused
 // multiply-adds. The integer parts are exact; the float steps run in a fixed order per
 // output, so a row's result does not depend on the rest of the batch. Against the two levels
-// per row of earlier versions: half the integer products, and finer scales (+0.3% perplexity
-// on SmolLM2 against float32 weights from the same file, where two levels cost +0.2%).
+// per row of earlier versions: half the integer products, at +0.44% perplexity on SmolLM2
+// against float32 weights from the same file (two levels: +0.21%; BENCHMARKS.md).
 //
 // Packing, per panel of 64 output channels, in reading order:
 //   weights [in / 4][2][64] bytes: byte i of half h holds channel-block 2h's (low nibble) and

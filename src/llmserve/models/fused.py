@@ -12,6 +12,7 @@ layer). Anything else (another backend or device, the PyTorch fallbacks, Gemma's
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -33,10 +34,10 @@ class FusedDecoder:
         self.enabled = envs.LLMSERVE_FUSED_LAYERS
         self._layers = layers
         self._plans: list[Any] | None = None  # built on first use: weights are packed by then
-        # Stacks bound to the runners' KV cache lists (and the caches they held then), newest
-        # last: a model may serve two runners (as its own draft); older ones are dropped so
-        # that no cache outlives them.
-        self._stacks: list[tuple[list, list, Any]] = []
+        # A stack per runner (a model may serve two: as its own draft), keyed by the id of
+        # the first cache of its list, with weak references to all of them; the entry (and
+        # with it the stack, which holds the cache tensors) goes when that cache does.
+        self._stacks: dict[int, tuple[list[weakref.ref], Any]] = {}
         self.last_step_fused = False  # for tests and benchmarks
 
     def run(self, hidden: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext
@@ -61,8 +62,10 @@ class FusedDecoder:
                          metadata.query_start)
 
     def _stack_for(self, caches: list) -> Any:
-        for bound, held, stack in self._stacks:
-            if bound is caches and all(a is b for a, b in zip(held, caches, strict=True)):
+        entry = self._stacks.get(id(caches[0])) if caches else None
+        if entry is not None:
+            held, stack = entry
+            if len(held) == len(caches) and all(r() is c for r, c in zip(held, caches)):
                 return stack
         if self._plans is None:
             self._plans = _layer_plans(self._layers) or []
@@ -77,7 +80,9 @@ class FusedDecoder:
             self._plans, [c.key for c in caches], [c.value for c in caches],
             [c.key_scale for c in caches], [c.value_scale for c in caches],
             float(max_codes.pop() or 0.0))
-        self._stacks = [*self._stacks[-1:], (caches, list(caches), stack)]
+        key = id(caches[0])
+        self._stacks[key] = ([weakref.ref(c) for c in caches], stack)
+        weakref.finalize(caches[0], self._stacks.pop, key, None)
         return stack
 
 
@@ -89,13 +94,32 @@ def _linear_plan(ops: Any, layer: Linear) -> Any:
     return ops.make_linear_plan(*kernel, layer.bias)
 
 
+def _is_llama_layer(layer: Any) -> bool:
+    """The modules the C++ layer reproduces, with no family's own forward in between."""
+    from llmserve.attention import Attention
+    from llmserve.layers.norm import RMSNorm
+    from llmserve.layers.rotary import RotaryEmbedding
+    from llmserve.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
+
+    attn = layer.self_attn
+    norms = [layer.input_layernorm, layer.post_attention_layernorm, attn.q_norm, attn.k_norm]
+    return (type(layer).forward is LlamaDecoderLayer.forward
+            and type(attn).forward is LlamaAttention.forward
+            and type(layer.mlp).forward is LlamaMLP.forward
+            and type(attn.rotary) is RotaryEmbedding and type(attn.attn) is Attention
+            and all(n is None or type(n) is RMSNorm for n in norms))
+
+
 def _layer_plans(layers: list[LlamaDecoderLayer]) -> list[Any] | None:
-    """Every layer's plan, or None if any piece lacks a compiled kernel."""
+    """Every layer's plan, or None if any piece lacks a compiled kernel or is not the
+    Llama module the C++ layer reproduces."""
     ops = cpu_ops()
     if ops is None or not layers:
         return None
     plans = []
     for layer in layers:
+        if not _is_llama_layer(layer):
+            return None
         attn, mlp = layer.self_attn, layer.mlp
         linears = [_linear_plan(ops, m) for m in
                    (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]

@@ -15,8 +15,8 @@ the batch):
   ``vpmaddwd`` on AVX2) on nibbles unpacked in registers, scales applied in float32; both
   builds give the same bits, and ``int4_reference`` below is the same arithmetic written
   plainly, for the tests. One level (not two as for int8) halves the integer work, which
-  is what bounds a batch of many rows; scales per 32 inputs keep the loss at +0.3%
-  perplexity on SmolLM2 (BENCHMARKS.md);
+  is what bounds a batch of many rows; scales per 32 inputs keep the loss at +0.44%
+  perplexity on SmolLM2 (two levels: +0.21%; BENCHMARKS.md);
 - elsewhere ``aten._weight_int4pack_mm_for_cpu`` with bfloat16 activations and scales. Its
   float16 path would keep 3 more bits but is not vectorized: 60-100x slower. It computes
   each output row on its own, so it is row-invariant too.
