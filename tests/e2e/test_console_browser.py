@@ -153,7 +153,7 @@ def test_the_console_asks_for_a_key_and_keeps_it_out_of_urls_and_logs(page, keye
 
 def test_a_chat_answer_streams_in_with_its_ttft_and_tokens_per_second(page, keyed_server):
     sign_in(page, keyed_server)
-    set_max_tokens(page, 48)
+    set_max_tokens(page, 96)
     page.get_by_label("System prompt").fill("You are terse.")
     page.get_by_label("Temperature").fill("0")
     watch_answer(page)
@@ -164,7 +164,10 @@ def test_a_chat_answer_streams_in_with_its_ttft_and_tokens_per_second(page, keye
     assert text
     lengths = page.evaluate("() => window.__lengths")
     growing = sorted({n for n in lengths if n > 0})
-    assert len(growing) >= 3, f"the answer arrived in one piece, not streamed: {lengths}"
+    # At least one partial answer shown before the whole one. How many depends on how the
+    # browser's reads split the stream: the tiny model makes a token in about a millisecond,
+    # and a busy machine (the full suite on 2 cores) delivers most of it in one read.
+    assert len(growing) >= 2, f"the answer arrived in one piece, not streamed: {lengths}"
     stats = answer.locator(".stats").inner_text()
     assert re.search(r"TTFT \d+ ms · [\d.,]+ tokens/s · \d+ tokens", stats), stats
     assert page.locator(".message.user").last.inner_text().endswith(
