@@ -44,6 +44,19 @@ TINY_CONFIGS: dict[str, dict] = {
 }
 
 
+# Every weight format with its KV cache formats, as (quantization, dtype, KV cache dtype):
+# what the bitwise tests (batch invariance, the fused decoder stack) run through.
+WEIGHT_AND_KV_FORMATS = [
+    ("none", "float32", "float32"),
+    ("none", "bfloat16", "bfloat16"),
+    ("int8", "float32", "float32"),
+    ("w8a8", "float32", "float32"),
+    ("int4", "float32", "float32"),
+    ("none", "float32", "fp8_e4m3"),
+    ("int4", "float32", "int8"),
+]
+
+
 def smollm2_tokenizer() -> Tokenizer:
     return Tokenizer.from_gguf_metadata(GGUFFile(resolve_model_path(DEFAULT_MODEL)).metadata)
 

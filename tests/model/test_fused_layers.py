@@ -15,20 +15,14 @@ from llmserve.models.loader import load_model
 from llmserve.runner import ModelRunner
 from llmserve.sampling_params import SamplingParams
 from llmserve.scheduler import ScheduledRequest, SchedulerOutput
+from tests.helpers.tiny_models import WEIGHT_AND_KV_FORMATS
 
 pytestmark = pytest.mark.skipif(cpu_ops() is None, reason="compiled CPU kernels unavailable")
 
 GREEDY = SamplingParams(temperature=0)
 BS = 16
 
-FORMATS = [  # (quantization, dtype, kv cache dtype)
-    ("none", "float32", "float32"),
-    ("none", "bfloat16", "bfloat16"),
-    ("int8", "float32", "float32"),
-    ("w8a8", "float32", "int8"),
-    ("int4", "float32", "float32"),
-    ("int4", "float32", "fp8_e4m3"),
-]
+FORMATS = WEIGHT_AND_KV_FORMATS  # (quantization, dtype, KV cache dtype)
 
 
 def _steps(seed: int) -> list[SchedulerOutput]:
