@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 from llmserve.errors import LLMServeError
 from llmserve.models.names import DEFAULT_MODEL
+from llmserve.ray_serve.config import ROUTER_NAMES
 from llmserve.usage.cli import add_database_args, add_usage_parsers
 
 
@@ -85,6 +86,31 @@ def _build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--cost-per-hour", type=float, default=None, metavar="PRICE",
                      help="what the server costs per hour: the console shows the cost per "
                           "1K output tokens from it")
+    ray = srv.add_argument_group(
+        "replicas on Ray Serve (pip install 'llmserve[ray]')",
+        "with --replicas or --min-replicas, the engine runs as Ray Serve replicas behind one "
+        "endpoint with the same API; without them, in this process alone, without Ray")
+    ray.add_argument("--replicas", type=int, default=None,
+                     help="engine replicas (each loads the model once)")
+    ray.add_argument("--ray-address", default=None, metavar="ADDRESS",
+                     help="an existing Ray cluster ('auto', 'ray://host:10001'; default: start "
+                          "a local one)")
+    ray.add_argument("--router", choices=ROUTER_NAMES, default="prefix-aware",
+                     help="which replica serves a request: in turn, the least loaded, or the "
+                          "one that served the longest prefix of its prompt while loads are "
+                          "balanced (default)")
+    ray.add_argument("--cpus-per-replica", type=float, default=1.0,
+                     help="Ray CPUs each replica reserves (its engine's threads)")
+    ray.add_argument("--gpus-per-replica", type=float, default=0.0)
+    ray.add_argument("--max-ongoing-requests", type=int, default=64,
+                     help="requests a replica takes at a time; more wait in the router")
+    ray.add_argument("--min-replicas", type=int, default=None,
+                     help="autoscale on queue depth between --min-replicas and --max-replicas")
+    ray.add_argument("--max-replicas", type=int, default=None)
+    ray.add_argument("--target-ongoing-requests", type=float, default=16.0,
+                     help="autoscaling target: requests in flight per replica")
+    ray.add_argument("--upscale-delay", type=float, default=10.0, metavar="SECONDS")
+    ray.add_argument("--downscale-delay", type=float, default=60.0, metavar="SECONDS")
     srv.set_defaults(func=_cmd_serve)
 
     add_usage_parsers(sub)
@@ -208,7 +234,29 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                           use_database=not args.no_database, data_dir=args.data_dir,
                           database_url=args.database_url, request_log=args.request_log,
                           cost_per_hour=args.cost_per_hour)
+    if args.replicas is not None or args.min_replicas is not None:
+        return _serve_on_ray(args, config)
     return serve(_engine_config(args), config)
+
+
+def _serve_on_ray(args: argparse.Namespace, config) -> int:
+    from llmserve.ray_serve.config import RayServeConfig
+
+    ray_config = RayServeConfig(
+        replicas=args.replicas or args.min_replicas, address=args.ray_address,
+        router=args.router, cpus_per_replica=args.cpus_per_replica,
+        gpus_per_replica=args.gpus_per_replica, max_ongoing_requests=args.max_ongoing_requests,
+        min_replicas=args.min_replicas, max_replicas=args.max_replicas,
+        target_ongoing_requests=args.target_ongoing_requests,
+        upscale_delay_s=args.upscale_delay, downscale_delay_s=args.downscale_delay)
+    try:
+        import ray.serve  # noqa: F401
+    except ImportError as e:
+        raise ValueError(f"--replicas needs Ray Serve ({e}); install it with "
+                         "pip install 'llmserve[ray]'") from None
+    from llmserve.ray_serve.launcher import serve_on_ray
+
+    return serve_on_ray(_engine_config(args), config, ray_config)
 
 
 def _sampling(args: argparse.Namespace):

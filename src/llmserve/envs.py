@@ -36,3 +36,7 @@ LLMSERVE_FUSED_LAYERS: bool = os.environ.get("LLMSERVE_FUSED_LAYERS", "1") != "0
 # "0" leaves glibc's malloc thresholds alone (see llmserve/host_memory.py): freed host
 # memory is then returned to the system and each CPU step faults its tensors in again.
 LLMSERVE_RETAIN_FREED_MEMORY: bool = os.environ.get("LLMSERVE_RETAIN_FREED_MEMORY", "1") != "0"
+# Threads of the engine's math (default: the CPUs this process may run on). A Ray replica
+# sets it to its share of the node's CPUs (ray_serve/launcher.py).
+_threads = os.environ.get("LLMSERVE_NUM_THREADS", "")
+LLMSERVE_NUM_THREADS: int | None = int(_threads) if _threads.strip() else None

@@ -95,6 +95,9 @@ class RequestStream:
     def __aiter__(self) -> RequestStream:
         return self
 
+    async def accepted(self) -> None:
+        """Queued already: ``submit`` raised if the request could not be."""
+
     async def __anext__(self) -> RequestEvent:
         if self.finished:
             raise StopAsyncIteration

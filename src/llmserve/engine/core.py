@@ -7,6 +7,7 @@ import time
 
 import torch
 
+from llmserve import envs
 from llmserve.attention.kv_format import kv_bytes_per_vector, resolve_kv_cache_dtype
 from llmserve.config import EngineConfig
 from llmserve.engine.messages import EngineCoreOutput, ModelCard
@@ -33,7 +34,7 @@ logger = get_logger(__name__)
 class EngineCore:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
-        torch.set_num_threads(len(os.sched_getaffinity(0)))
+        torch.set_num_threads(envs.LLMSERVE_NUM_THREADS or len(os.sched_getaffinity(0)))
         retain_freed_memory()  # per-step tensors reuse freed memory instead of page-faulting
         torch.manual_seed(config.seed)
         mc = config.model

@@ -311,7 +311,7 @@ def build_app(engine: AsyncLLM, config: ServerConfig, metrics: ServerMetrics,
         streaming_started = False  # from then on the stream settles the reservation
         try:
             if streaming:
-                body = stream(engine, job)
+                body = await stream(engine, job)
                 streaming_started = True
                 return StreamingResponse(body, media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache"})

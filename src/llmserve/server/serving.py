@@ -122,18 +122,23 @@ def validate_prompts(engine: AsyncLLM, job: Job) -> int:
     return most
 
 
-def _submit_all(engine: AsyncLLM, job: Job) -> list[RequestStream]:
-    """Queue every prompt of the job now; a full queue is a 429 before any byte is sent."""
+async def _submit_all(engine: AsyncLLM, job: Job) -> list[RequestStream]:
+    """Queue every prompt of the job now; a full queue is a 429 before any byte is sent.
+    (AsyncLLM queues at ``submit``; an engine on other machines, when the stream is
+    ``accepted``.)"""
     streams: list[RequestStream] = []
     try:
         for i, (text, ids) in enumerate(job.prompts):
             streams.append(engine.submit(f"{job.request_id}-{i}", ids, job.params, text,
                                          job.priority))
-    except (QueueFullError, EngineUnavailableError) as e:
+            await streams[-1].accepted()
+    except (QueueFullError, EngineUnavailableError, ValueError) as e:
         for st in streams:
             st.close(counted=False)  # withdrawn unanswered: not an abort
         if isinstance(e, EngineUnavailableError):
             raise
+        if isinstance(e, ValueError):
+            raise bad_request(str(e), param=param_of(str(e))) from None
         raise APIError(429, str(e), type="rate_limit_error", code="queue_full",
                        headers={"Retry-After": str(e.retry_after)}) from None
     return streams
@@ -188,7 +193,7 @@ def _error_from_event(event: RequestEvent) -> APIError:
 async def respond(engine: AsyncLLM, job: Job, raw: Request) -> dict[str, Any]:
     """Collect the whole answer, watching for the client going away from the first moment
     (a prompt still being prefilled is aborted too)."""
-    events = _merged(_submit_all(engine, job))
+    events = _merged(await _submit_all(engine, job))
     outputs: dict[int, RequestOutput] = {}
 
     async def collect() -> None:
@@ -274,14 +279,14 @@ def _chat_message(job: Job, text: str, choice: dict[str, Any]) -> dict[str, Any]
 # ---- streaming -----------------------------------------------------------------------------
 
 
-def stream(engine: AsyncLLM, job: Job) -> AsyncIterator[str]:
+async def stream(engine: AsyncLLM, job: Job) -> AsyncIterator[str]:
     """Queue the request now (429 raises before the response starts), return the SSE body.
     The server cancels the body when the client disconnects, which aborts the request."""
     if job.kind == "chat" and job.prompt_logprobs is not None:
         raise bad_request("prompt_logprobs is not available with stream: true on chat "
                           "completions (as in vLLM); send stream: false",
                           param="prompt_logprobs")
-    return _sse(engine, job, _merged(_submit_all(engine, job)))
+    return _sse(engine, job, _merged(await _submit_all(engine, job)))
 
 
 async def _sse(engine: AsyncLLM, job: Job,

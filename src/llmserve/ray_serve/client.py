@@ -1,0 +1,248 @@
+"""The ingress's engine: what the HTTP app asks of AsyncLLM, answered by engine replicas.
+
+The app (server/app.py, server/serving.py) runs unchanged in the ingress: it tokenizes,
+validates and shapes OpenAI replies; this client stands where AsyncLLM stands in a single
+server and sends each engine request to a replica through Ray Serve's deployment handle,
+whose request router picks the replica. A request's stream is the replica's stream of
+RequestEvents, relayed.
+
+Failures cost only the requests they touch:
+- a replica that dies (or becomes unreachable) before it sent a request its first event:
+  the request is sent again, and the router, which has dropped the dead replica, picks
+  another one (up to ``max_attempts`` sends in all);
+- a replica that dies after the first event: the stream ends with an "engine_error" event,
+  which the client sees as a final error event (streaming) or a 500 (not streaming);
+- a replica whose engine is restarting answers "unavailable" and the request goes to
+  another replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from typing import Any
+
+from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
+from ray.serve.exceptions import RequestCancelledError
+
+from llmserve.engine.async_llm import (
+    EngineBusyError,
+    EngineHealth,
+    EngineUnavailableError,
+    QueueFullError,
+    RequestEvent,
+)
+from llmserve.engine.validation import ContextLengthError, check_request
+from llmserve.logger import get_logger
+from llmserve.ray_serve.messages import Accepted, Rejected, ReplicaInfo, Submission
+from llmserve.ray_serve.reports import replica_reports
+from llmserve.sampling_params import SamplingParams
+from llmserve.tokenizer import Tokenizer
+
+logger = get_logger(__name__)
+
+# What a replica that died, or cannot be reached, raises in its caller.
+_REPLICA_FAILURES = (RayActorError, ActorUnavailableError, RayTaskError)
+
+
+class RayEngineClient:
+    def __init__(self, handle: Any, tokenizer: Tokenizer, *, max_attempts: int = 3) -> None:
+        self.handle = handle  # the engine replicas' DeploymentHandle
+        self.tokenizer = tokenizer
+        self.max_attempts = max_attempts
+        self.max_model_len = 0
+        self.vocab_size = 0
+        self.ready_info: Any = None
+        self.status = "starting"
+        self.last_failure: str | None = None
+        self.on_fatal = None
+        self._open: dict[str, RayRequestStream] = {}
+        self._ids = itertools.count()
+
+    async def start(self) -> Any:
+        """Learn the model's limits from a replica (Ray routes to ready replicas only)."""
+        info: ReplicaInfo = await self.handle.describe.remote()
+        self.max_model_len, self.vocab_size = info.max_model_len, info.vocab_size
+        self.ready_info = info.ready
+        self.status = "ready"
+        return info.ready
+
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        self.status = "stopped"
+        for stream in list(self._open.values()):
+            stream.close()
+
+    @property
+    def ready(self) -> bool:
+        return self.status == "ready" and self._replicas_status() == "ready"
+
+    def health(self) -> EngineHealth:
+        reports = replica_reports().values()
+        failures = [r["last_failure"] for r in reports if r.get("last_failure")]
+        status = self.status if self.status != "ready" else self._replicas_status()
+        return EngineHealth(status, sum(int(r.get("restarts", 0)) for r in reports),
+                            failures[-1] if failures else None, None)
+
+    def _replicas_status(self) -> str:
+        """"ready" while some replica accepts requests (or none has reported yet)."""
+        reports = list(replica_reports().values())
+        if not reports or any(r.get("accepting") for r in reports):
+            return "ready"
+        return "restarting"
+
+    def new_request_id(self, prefix: str) -> str:
+        return f"{prefix}-{next(self._ids)}-{int(time.time() * 1000) % 10**8}"
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._open)
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        self.validate_available()
+        return check_request(prompt_token_ids, params, self.max_model_len, self.vocab_size)
+
+    def validate_available(self) -> None:
+        if self.status == "ready":
+            return
+        if self.status == "starting":
+            raise EngineUnavailableError("the model is not ready yet")
+        raise EngineUnavailableError(f"the server is {self.status}", retry_after=30)
+
+    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+               prompt: str | None = None, priority: int = 0) -> RayRequestStream:
+        """Validate now; the request reaches a replica when the stream is first awaited
+        (``accepted()``, which raises QueueFullError and the like before any byte)."""
+        self.validate(prompt_token_ids, params)
+        stream = RayRequestStream(self, Submission(request_id, list(prompt_token_ids), params,
+                                                   prompt, priority))
+        self._open[request_id] = stream
+        return stream
+
+    def abort(self, request_id: str, *, counted: bool = True) -> None:
+        stream = self._open.get(request_id)
+        if stream is not None:
+            stream.close(counted=counted)
+
+    def abort_all(self, error: str, message: str) -> None:
+        for stream in list(self._open.values()):
+            stream.fail(error, message)
+
+    async def reset_prefix_cache(self, timeout: float = 30.0) -> str:
+        raise EngineBusyError("the prefix cache is per replica: with --replicas, reset it by "
+                              "restarting the replicas (or run a single server)")
+
+
+class RayRequestStream:
+    """One engine request's events from whichever replica serves it (see the module
+    docstring for what happens when that replica fails)."""
+
+    def __init__(self, client: RayEngineClient, submission: Submission) -> None:
+        self.client = client
+        self.request_id = submission.request_id
+        self.submission = submission
+        self.finished = False
+        self.replica: str | None = None
+        self._gen: Any = None  # the replica's DeploymentResponseGenerator
+        self._sends = 0
+        self._relayed = 0
+        self._forced: RequestEvent | None = None  # an end decided here (shutdown)
+
+    def __aiter__(self) -> RayRequestStream:
+        return self
+
+    async def accepted(self) -> None:
+        """Send the request until a replica queues it. Raises QueueFullError,
+        EngineUnavailableError, ContextLengthError or ValueError as AsyncLLM.submit does."""
+        while True:
+            self._sends += 1
+            last = self._sends >= self.client.max_attempts
+            self._gen = self.client.handle.options(stream=True).generate.remote(self.submission)
+            try:
+                first = await self._gen.__anext__()
+            except _REPLICA_FAILURES as e:
+                if last:
+                    self._close_quietly()
+                    raise EngineUnavailableError(f"no replica could take the request "
+                                                 f"({_cause(e)})") from None
+                logger.warning("request %s: replica failed before accepting it (%s); sending "
+                               "it to another replica", self.request_id, _cause(e))
+                continue
+            if isinstance(first, Accepted):
+                self.replica = first.replica
+                return
+            if isinstance(first, Rejected) and first.kind == "unavailable" and not last:
+                await asyncio.sleep(0.05 * self._sends)
+                continue
+            self._close_quietly()
+            raise _rejection(first)
+
+    async def __anext__(self) -> RequestEvent:
+        if self.finished:
+            raise StopAsyncIteration
+        if self._gen is None:
+            await self.accepted()
+        while True:
+            try:
+                event = await self._gen.__anext__()
+            except (RequestCancelledError, asyncio.CancelledError):
+                if self._forced is None:
+                    raise
+                event = self._forced
+            except StopAsyncIteration:
+                event = self._forced or RequestEvent(
+                    error="engine_error",
+                    message="the replica ended this request's stream without a final event")
+            except _REPLICA_FAILURES as e:
+                if self._relayed == 0 and self._sends < self.client.max_attempts:
+                    logger.warning("request %s: replica %s failed before its first event (%s);"
+                                   " sending it to another replica", self.request_id,
+                                   self.replica, _cause(e))
+                    await self.accepted()
+                    continue
+                event = RequestEvent(error="engine_error", message=(
+                    f"the replica serving this request failed ({_cause(e)}) after "
+                    f"{self._relayed} events; it was not completed"))
+            break
+        if self._forced is not None:
+            event = self._forced
+        self._relayed += 1
+        if event.output is not None or event.error is not None:
+            self.finished = True
+            self.client._open.pop(self.request_id, None)
+        return event
+
+    def fail(self, error: str, message: str) -> None:
+        """End the stream here with an error event (the replica's request is cancelled)."""
+        if not self.finished and self._forced is None:
+            self._forced = RequestEvent(error=error, message=message)
+            if self._gen is not None:
+                self._gen.cancel()
+
+    def close(self, *, counted: bool = True) -> None:
+        """Cancel the request on its replica (which aborts it in the engine)."""
+        if not self.finished:
+            self.finished = True
+            self._close_quietly()
+
+    def _close_quietly(self) -> None:
+        self.client._open.pop(self.request_id, None)
+        if self._gen is not None:
+            self._gen.cancel()
+
+
+def _rejection(answer: object) -> Exception:
+    if not isinstance(answer, Rejected):
+        return EngineUnavailableError(f"unexpected answer from a replica: {answer!r}")
+    if answer.kind == "queue_full":
+        return QueueFullError(answer.message, answer.retry_after)
+    if answer.kind == "unavailable":
+        return EngineUnavailableError(answer.message, answer.retry_after)
+    if answer.kind == "context_length":
+        return ContextLengthError(answer.message)
+    return ValueError(answer.message)
+
+
+def _cause(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text[:200]}"

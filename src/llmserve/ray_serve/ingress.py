@@ -1,0 +1,51 @@
+"""The ingress deployment: the single server's HTTP app, in front of the engine replicas.
+
+Ray Serve's HTTP proxy hands each HTTP request to the ingress, which runs the same FastAPI
+app as ``llmserve serve`` (OpenAI endpoints, errors, streaming, keys and limits, the
+console, health and readiness) with a RayEngineClient where AsyncLLM would be. So the API
+is the single server's, byte for byte; only /metrics adds a ``replica`` label.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from llmserve.config import EngineConfig, ServerConfig
+from llmserve.logger import get_logger
+from llmserve.models.loader import load_tokenizer
+from llmserve.ray_serve.client import RayEngineClient
+from llmserve.ray_serve.metrics import ClusterMetrics
+from llmserve.ray_serve.reports import replica_reports
+from llmserve.server.app import ServerState, build_app
+from llmserve.server.launcher import open_accounts
+
+logger = get_logger(__name__)
+
+
+class Ingress:
+    async def __init__(self, engine: Any, engine_config: EngineConfig,
+                       config: ServerConfig) -> None:
+        model_name = config.served_model_name or engine_config.model.model
+        self.engine = RayEngineClient(engine, load_tokenizer(engine_config.model.model))
+        await self.engine.start()  # also creates the handle's router, which holds reports
+        self.state = ServerState()
+        self.metrics = ClusterMetrics(model_name, replica_reports)
+        # (Ray's wrapper owns the name "app".)
+        self.http_app = build_app(self.engine, config, self.metrics,  # type: ignore[arg-type]
+                                  self.state, model_name, open_accounts(config))
+        self.http_app.state.tokenizers.start()
+        self.http_app.state.accounts.start()
+        logger.info("ingress ready: %s, max_model_len %d", model_name,
+                    self.engine.max_model_len)
+
+    def __serve_build_asgi_app__(self) -> Any:
+        return self.http_app
+
+    async def __del__(self) -> None:
+        app = getattr(self, "http_app", None)
+        if app is None:  # the constructor failed
+            return
+        self.state.draining = True
+        app.state.tokenizers.shutdown()
+        await self.engine.shutdown()
+        await app.state.accounts.close()

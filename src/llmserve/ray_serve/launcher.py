@@ -1,0 +1,129 @@
+"""``llmserve serve --replicas N``: the server as a Ray Serve application.
+
+Two deployments: ``EngineReplica`` (N of them, or autoscaled on queue depth, each with its
+share of CPUs or a GPU as Ray resources, each loading the model once) and ``Ingress`` (the
+HTTP app, no CPU reserved). Ray Serve's HTTP proxy listens on --host/--port. Ray, not
+llmserve, places, health-checks, restarts and drains replicas.
+
+The first SIGTERM (or Ctrl-C) drains: the application is deleted, which lets every
+replica finish its requests for up to --shutdown-timeout seconds before it stops; then
+Serve and (if this process started it) the local Ray cluster shut down, and the exit code
+is 0.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from typing import Any
+
+from llmserve.config import EngineConfig, ServerConfig
+from llmserve.logger import get_logger
+from llmserve.ray_serve.config import RayServeConfig
+
+logger = get_logger(__name__)
+
+ENGINE_DEPLOYMENT = "EngineReplica"
+INGRESS_DEPLOYMENT = "Ingress"
+
+
+def build_application(engine_config: EngineConfig, config: ServerConfig,
+                      ray_config: RayServeConfig) -> Any:
+    """The Ray Serve application (``serve.run`` it, or deploy it on an existing cluster)."""
+    from ray import serve
+    from ray.serve.config import AutoscalingConfig, RequestRouterConfig
+
+    from llmserve.ray_serve.ingress import Ingress
+    from llmserve.ray_serve.replica import EngineReplica
+    from llmserve.ray_serve.routers import ROUTERS, ROUTING_STATS_PERIOD_S
+
+    router_kwargs = ({"imbalance_threshold": ray_config.imbalance_threshold,
+                      "chunk_size": engine_config.cache.block_size,
+                      "min_match_tokens": engine_config.cache.block_size}
+                     if ray_config.router == "prefix-aware" else {})
+    threads = max(1, int(ray_config.cpus_per_replica))
+    scaling: dict[str, Any] = {"num_replicas": ray_config.replicas}
+    if ray_config.autoscaling:
+        scaling = {"autoscaling_config": AutoscalingConfig(
+            min_replicas=ray_config.min_replicas, max_replicas=ray_config.max_replicas,
+            initial_replicas=ray_config.min_replicas,
+            target_ongoing_requests=ray_config.target_ongoing_requests,
+            upscale_delay_s=ray_config.upscale_delay_s,
+            downscale_delay_s=ray_config.downscale_delay_s,
+            metrics_interval_s=1.0, look_back_period_s=5.0)}
+    engine = serve.deployment(
+        EngineReplica, name=ENGINE_DEPLOYMENT, **scaling,
+        max_ongoing_requests=ray_config.max_ongoing_requests,
+        ray_actor_options={"num_cpus": ray_config.cpus_per_replica,
+                           "num_gpus": ray_config.gpus_per_replica,
+                           "runtime_env": {"env_vars": {"LLMSERVE_NUM_THREADS": str(threads)}}},
+        request_router_config=RequestRouterConfig(
+            request_router_class=ROUTERS[ray_config.router],
+            request_router_kwargs=router_kwargs,
+            request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
+            request_routing_stats_timeout_s=10.0),
+        health_check_period_s=2.0, health_check_timeout_s=30.0,
+        graceful_shutdown_wait_loop_s=0.5,
+        graceful_shutdown_timeout_s=config.shutdown_timeout)
+    ingress = serve.deployment(
+        serve.ingress()(Ingress), name=INGRESS_DEPLOYMENT, num_replicas=1,
+        max_ongoing_requests=100_000,  # admission is the app's (429) and the replicas'
+        ray_actor_options={"num_cpus": 0},
+        graceful_shutdown_wait_loop_s=0.5,
+        graceful_shutdown_timeout_s=config.shutdown_timeout + 5)
+    return ingress.bind(engine.bind(engine_config, config), engine_config, config)
+
+
+def start(engine_config: EngineConfig, config: ServerConfig,
+          ray_config: RayServeConfig) -> None:
+    """Connect to (or start) Ray, start Serve's HTTP proxy on --host/--port, and deploy;
+    returns when every replica is ready."""
+    import ray
+    from ray import serve
+
+    if not ray.is_initialized():
+        ray.init(address=ray_config.address, include_dashboard=False,
+                 log_to_driver=False, configure_logging=False)
+    serve.start(http_options={"host": config.host, "port": config.port})
+    began = time.monotonic()
+    serve.run(build_application(engine_config, config, ray_config),
+              name=ray_config.app_name, route_prefix="/", blocking=False)
+    logger.info("serving %s on http://%s:%d with %s engine replicas on Ray (router %s); "
+                "ready after %.1f s", config.served_model_name or engine_config.model.model,
+                config.host, config.port,
+                (f"{ray_config.min_replicas}-{ray_config.max_replicas} autoscaled"
+                 if ray_config.autoscaling else ray_config.replicas),
+                ray_config.router, time.monotonic() - began)
+
+
+def stop(ray_config: RayServeConfig) -> None:
+    """Drain and remove the application, then stop Serve and Ray."""
+    import ray
+    from ray import serve
+
+    serve.delete(ray_config.app_name)  # waits while replicas finish their requests
+    serve.shutdown()
+    ray.shutdown()
+
+
+def serve_on_ray(engine_config: EngineConfig, config: ServerConfig,
+                 ray_config: RayServeConfig) -> int:
+    stop_requested = threading.Event()
+
+    def on_signal(sig: int, frame: Any) -> None:
+        if stop_requested.is_set():
+            logger.info("second signal: stopping now")
+            raise KeyboardInterrupt
+        logger.info("shutdown requested: draining (up to %.0f s)", config.shutdown_timeout)
+        stop_requested.set()
+
+    start(engine_config, config, ray_config)
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        stop_requested.wait()
+        stop(ray_config)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    return 0
