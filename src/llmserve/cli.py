@@ -214,10 +214,30 @@ def _make_llm(args: argparse.Namespace):
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from llmserve.config import ServerConfig
-    from llmserve.server.http_guard import parse_allowed_hosts
+    engine_config, config, ray_config = serve_configs(args)
+    if ray_config is not None:
+        try:
+            import ray.serve  # noqa: F401
+        except ImportError as e:
+            raise ValueError(f"--replicas needs Ray Serve ({e}); install it with "
+                             "pip install 'llmserve[ray]'") from None
+        from llmserve.ray_serve.launcher import serve_on_ray
+
+        return serve_on_ray(engine_config, config, ray_config)
     from llmserve.server.launcher import serve
 
+    return serve(engine_config, config)
+
+
+def serve_configs(args: argparse.Namespace | Sequence[str]):
+    """The configurations ``llmserve serve`` runs with, from its parsed arguments or its
+    command line (the Ray Serve application builder reuses it): (EngineConfig,
+    ServerConfig, RayServeConfig or None for the single server)."""
+    from llmserve.config import ServerConfig
+    from llmserve.server.http_guard import parse_allowed_hosts
+
+    if not isinstance(args, argparse.Namespace):
+        args = _build_parser().parse_args(["serve", *args])
     config = ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
                           served_model_name=args.served_model_name,
                           max_queued_requests=args.max_queued_requests,
@@ -234,29 +254,18 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                           use_database=not args.no_database, data_dir=args.data_dir,
                           database_url=args.database_url, request_log=args.request_log,
                           cost_per_hour=args.cost_per_hour)
+    ray_config = None
     if args.replicas is not None or args.min_replicas is not None:
-        return _serve_on_ray(args, config)
-    return serve(_engine_config(args), config)
+        from llmserve.ray_serve.config import RayServeConfig
 
-
-def _serve_on_ray(args: argparse.Namespace, config) -> int:
-    from llmserve.ray_serve.config import RayServeConfig
-
-    ray_config = RayServeConfig(
-        replicas=args.replicas or args.min_replicas, address=args.ray_address,
-        router=args.router, cpus_per_replica=args.cpus_per_replica,
-        gpus_per_replica=args.gpus_per_replica, max_ongoing_requests=args.max_ongoing_requests,
-        min_replicas=args.min_replicas, max_replicas=args.max_replicas,
-        target_ongoing_requests=args.target_ongoing_requests,
-        upscale_delay_s=args.upscale_delay, downscale_delay_s=args.downscale_delay)
-    try:
-        import ray.serve  # noqa: F401
-    except ImportError as e:
-        raise ValueError(f"--replicas needs Ray Serve ({e}); install it with "
-                         "pip install 'llmserve[ray]'") from None
-    from llmserve.ray_serve.launcher import serve_on_ray
-
-    return serve_on_ray(_engine_config(args), config, ray_config)
+        ray_config = RayServeConfig(
+            replicas=args.replicas or args.min_replicas, address=args.ray_address,
+            router=args.router, cpus_per_replica=args.cpus_per_replica,
+            gpus_per_replica=args.gpus_per_replica,
+            max_ongoing_requests=args.max_ongoing_requests, min_replicas=args.min_replicas,
+            max_replicas=args.max_replicas, target_ongoing_requests=args.target_ongoing_requests,
+            upscale_delay_s=args.upscale_delay, downscale_delay_s=args.downscale_delay)
+    return _engine_config(args), config, ray_config
 
 
 def _sampling(args: argparse.Namespace):

@@ -75,6 +75,29 @@ def build_application(engine_config: EngineConfig, config: ServerConfig,
     return ingress.bind(engine.bind(engine_config, config), engine_config, config)
 
 
+def app_builder(args: dict[str, Any]) -> Any:
+    """The application for Ray Serve's config files (``serve run``/``serve deploy``, a
+    KubeRay RayService): ``import_path: llmserve.ray_serve.launcher:app_builder`` with
+    ``args`` holding ``llmserve serve`` options by name, e.g. ``{"model": "smollm2",
+    "replicas": 2, "router": "prefix-aware", "no-database": true}`` (true: a flag).
+    Host and port are Serve's own (http_options) there."""
+    from llmserve.cli import serve_configs
+
+    argv: list[str] = []
+    if "host" not in args and "allowed-hosts" not in args and "allowed_hosts" not in args:
+        argv += ["--allowed-hosts", "*"]  # Serve's proxy listens where http_options say
+    for name, value in args.items():
+        option = "--" + str(name).replace("_", "-")
+        if value is True:
+            argv.append(option)
+        elif value not in (False, None):
+            argv += [option, str(value)]
+    engine_config, config, ray_config = serve_configs(argv)
+    if ray_config is None:
+        ray_config = RayServeConfig()
+    return build_application(engine_config, config, ray_config)
+
+
 def start(engine_config: EngineConfig, config: ServerConfig,
           ray_config: RayServeConfig) -> None:
     """Connect to (or start) Ray, start Serve's HTTP proxy on --host/--port, and deploy;
@@ -118,9 +141,15 @@ def serve_on_ray(engine_config: EngineConfig, config: ServerConfig,
         logger.info("shutdown requested: draining (up to %.0f s)", config.shutdown_timeout)
         stop_requested.set()
 
-    start(engine_config, config, ray_config)
+    import ray
+
+    # Ray installs its own SIGTERM handler when it starts; ours replaces it, and it is in
+    # place before the deployment starts (a signal during start-up drains once it is up).
+    ray.init(address=ray_config.address, include_dashboard=False, log_to_driver=False,
+             configure_logging=False)
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
+        start(engine_config, config, ray_config)
         stop_requested.wait()
         stop(ray_config)
     finally:

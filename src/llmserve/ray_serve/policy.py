@@ -8,8 +8,8 @@ requests sent and not finished), then the engine's own report (waiting requests,
 usage) to break ties. The prefix-aware policy follows SGLang's cache-aware router: while
 the replicas' loads differ by no more than a threshold, send a prompt to the replica that
 served the longest prefix of it (so the prefix is likely still in that replica's KV cache);
-without a match, to the least loaded replica that holds the fewest prefixes (so each new
-prefix goes where there is room for it); when the load is unbalanced, least-load wins.
+without a match, to the replica that holds the fewest prefixes (so each new prefix goes
+where there is room for it); when the load is unbalanced, least-load wins.
 """
 
 from __future__ import annotations
@@ -52,7 +52,8 @@ def prefix_aware(loads: dict[Hashable, ReplicaLoad], matched: dict[Hashable, int
        ``imbalance_threshold``): least-load order; the prefix is worth less than the wait.
     2. Balanced and some replica served at least ``min_match`` tokens of the prompt's
        prefix: the longest match first (ties: the less loaded), then least-load order.
-    3. Balanced, no such match: least-load order, ties broken by the fewest prefixes held.
+    3. Balanced, no such match: the replica holding the fewest prefixes first (ties: the
+       less loaded), so that new prefixes spread evenly over the replicas' caches.
     """
     if not loads:
         return []
@@ -63,7 +64,7 @@ def prefix_aware(loads: dict[Hashable, ReplicaLoad], matched: dict[Hashable, int
     best = max(matched.get(r, 0) for r in loads)
     if best >= min_match:
         return sorted(loads, key=lambda r: (-matched.get(r, 0), loads[r].key))
-    return sorted(loads, key=lambda r: (loads[r].in_flight, sizes.get(r, 0), loads[r].key))
+    return sorted(loads, key=lambda r: (sizes.get(r, 0), loads[r].key))
 
 
 class PrefixIndex:

@@ -1,0 +1,299 @@
+"""llmserve on Ray Serve: engine replicas behind one endpoint, on a local Ray cluster.
+
+Tiny random-weight models, 2 replicas of one CPU each. The single server's API (errors,
+streaming, metrics) through the replicas; routers; a replica SIGKILLed under load; the
+prefix-aware router against round-robin on a multi-tenant workload; autoscaling.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from llmserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig
+from tests.e2e.conftest import free_port
+
+ray = pytest.importorskip("ray")
+serve = pytest.importorskip("ray.serve")
+
+from llmserve.ray_serve.config import RayServeConfig  # noqa: E402
+from llmserve.ray_serve.launcher import ENGINE_DEPLOYMENT, build_application  # noqa: E402
+from llmserve.ray_serve.reports import replica_reports  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A local Ray cluster with 2 CPUs and Serve's HTTP proxy on a free port."""
+    port = free_port()
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             configure_logging=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
+    ray.shutdown()
+
+
+def _deploy(url: str, model: str, ray_config: RayServeConfig, num_blocks: int = 512,
+            **server: object) -> str:
+    engine = EngineConfig(model=ModelConfig(model, max_model_len=1024),
+                          cache=CacheConfig(num_blocks=num_blocks),
+                          scheduler=SchedulerConfig(max_num_batched_tokens=1024))
+    config = ServerConfig(use_database=False, **server)  # type: ignore[arg-type]
+    serve.run(build_application(engine, config, ray_config), name=ray_config.app_name,
+              route_prefix="/", blocking=False)
+    return url
+
+
+def _engine_replicas(app: str) -> int:
+    status = serve.status().applications[app].deployments[ENGINE_DEPLOYMENT]
+    return status.replica_states.get("RUNNING", 0)
+
+
+def _metric_by_replica(url: str, name: str) -> dict[str, float]:
+    """``name``'s samples summed per replica label, from the ingress's /metrics."""
+    out: dict[str, float] = {}
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + "{") and 'replica="' in line:
+            replica = line.split('replica="', 1)[1].split('"', 1)[0]
+            out[replica] = out.get(replica, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def _reports(app: str) -> dict[str, dict]:
+    """The engine replicas' last reports, as a router in this process holds them (the
+    first call makes a handle, and so a router, here)."""
+    serve.get_deployment_handle(ENGINE_DEPLOYMENT, app_name=app).describe.remote().result()
+    return replica_reports()
+
+
+def _wait_reports(predicate, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "the replicas' reports did not arrive"
+        time.sleep(0.2)
+
+
+def test_two_replicas_serve_the_single_servers_api(cluster, tiny_path):
+    """A mixed workload through 2 replicas (round-robin): completions, chat, streaming,
+    n > 1, errors in OpenAI's envelope; /metrics reports both replicas."""
+    app = "api"
+    url = _deploy(cluster, tiny_path, RayServeConfig(replicas=2, router="round-robin",
+                                                     app_name=app), api_key="sk-ray")
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="sk-ray", max_retries=0)
+    try:
+        texts = set()
+        for i in range(6):
+            r = client.completions.create(model=tiny_path, prompt=f"request {i}",
+                                          max_tokens=6, temperature=0)
+            assert r.usage.completion_tokens == 6
+            texts.add(r.choices[0].text)
+        alone = client.completions.create(model=tiny_path, prompt="request 0", max_tokens=6,
+                                          temperature=0)
+        assert alone.choices[0].text in texts  # same greedy answer whichever replica
+        chunks = list(client.chat.completions.create(
+            model=tiny_path, messages=[{"role": "user", "content": "hi"}], max_tokens=8,
+            stream=True, stream_options={"include_usage": True}))
+        assert chunks[-1].usage.completion_tokens == 8
+        assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) >= 1
+        two = client.completions.create(model=tiny_path, prompt="two", max_tokens=4, n=2,
+                                        temperature=1.0, seed=3)
+        assert len(two.choices) == 2
+        with pytest.raises(openai.BadRequestError) as bad:
+            client.completions.create(model=tiny_path, prompt="x", max_tokens=5000)
+        assert bad.value.code == "context_length_exceeded"
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0
+                          ).models.list()
+        assert httpx.get(f"{url}/ready").status_code == 200
+        assert httpx.get(f"{url}/health").json()["status"] == "ok"
+        # 9 engine requests; the replicas report every second
+        _wait_reports(lambda: sum(_metric_by_replica(
+            url, "llmserve:request_success_total").values()) == 9)
+        served = _metric_by_replica(url, "llmserve:request_success_total")
+        assert min(served.values()) >= 4, served  # in turn
+        responses = httpx.get(f"{url}/metrics").text
+        assert 'llmserve:http_responses_total{model_name=' in responses
+    finally:
+        serve.delete(app)
+
+
+def test_a_dead_replica_costs_only_the_requests_streaming_from_it(cluster, tiny_path):
+    """SIGKILL one of 2 replicas while 12 streams run and more arrive: a request fails
+    only if it was already streaming from the killed replica, and then with a final error
+    event; every other request succeeds; Ray replaces the replica."""
+    app = "failover"
+    url = _deploy(cluster, tiny_path, RayServeConfig(replicas=2, router="least-load",
+                                                     app_name=app))
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0,
+                                timeout=120)
+
+    async def one(i: int, log: list) -> None:
+        got, finish = 0, None
+        try:
+            stream = await client.completions.create(
+                model=tiny_path, prompt=f"stream {i}", max_tokens=300, temperature=0,
+                stream=True, extra_body={"ignore_eos": True})
+            async for chunk in stream:
+                if chunk.choices:
+                    got += 1
+                    finish = chunk.choices[0].finish_reason or finish
+            log.append((i, got, None if finish == "length" else f"finished: {finish}"))
+        except openai.APIError as e:
+            log.append((i, got, str(e)))
+
+    async def run(victim: int) -> list:
+        log: list = []
+        first = [asyncio.ensure_future(one(i, log)) for i in range(12)]
+        await asyncio.sleep(1.0)  # everyone streaming
+        os.kill(victim, signal.SIGKILL)
+        later = [asyncio.ensure_future(one(100 + i, log)) for i in range(8)]
+        await asyncio.gather(*first, *later)
+        return log
+
+    try:
+        _wait_reports(lambda: len(_reports(app)) == 2)
+        log = asyncio.run(run(min(r["pid"] for r in _reports(app).values())))
+        failed = [(i, got, e) for i, got, e in log if e is not None]
+        assert len(log) == 20
+        print(f"cut by the kill: {[(i, got) for i, got, _ in failed]}")
+        for i, got, error in failed:
+            assert i < 100 and got > 0, (i, got, error)  # was streaming when it died
+            assert "replica serving this request failed" in error
+        assert len(failed) <= 6, failed  # at most the killed replica's share of 12
+        deadline = time.monotonic() + 120
+        while _engine_replicas(app) < 2:  # Ray replaces it
+            assert time.monotonic() < deadline, serve.status()
+            time.sleep(1)
+        r = openai.OpenAI(base_url=f"{url}/v1", api_key="x").completions.create(
+            model=tiny_path, prompt="after", max_tokens=4)
+        assert r.usage.completion_tokens == 4
+    finally:
+        serve.delete(app)
+
+
+def _multi_tenant_hit_rate(url: str, model: str, seed: int = 0) -> float:
+    """8 system prompts of ~500 tokens, 200 requests in random order (4 at a time); the
+    replicas' prefix-cache hit rate (hits / queries, in tokens) from /metrics."""
+    rng = random.Random(seed)
+    words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota",
+             "kappa", "lambda", "mu"]
+    systems = [" ".join(f"{rng.choice(words)}{t}" for _ in range(250)) for t in range(8)]
+    order = [rng.randrange(8) for _ in range(200)]
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+
+    async def run() -> None:
+        gate = asyncio.Semaphore(4)
+
+        async def one(k: int, tenant: int) -> None:
+            async with gate:
+                await client.completions.create(
+                    model=model, prompt=f"{systems[tenant]}\nQuestion {k}: why?",
+                    max_tokens=1)
+
+        await asyncio.gather(*(one(k, t) for k, t in enumerate(order)))
+
+    asyncio.run(run())
+    _wait_reports(lambda: sum(_metric_by_replica(url, "llmserve:request_success_total")
+                              .values()) >= 200)
+    hits = sum(_metric_by_replica(url, "llmserve:prefix_cache_hits_total").values())
+    queries = sum(_metric_by_replica(url, "llmserve:prefix_cache_queries_total").values())
+    return hits / queries
+
+
+def test_prefix_aware_routing_doubles_the_prefix_cache_hit_rate(cluster, tiny_path):
+    """Each replica's KV cache holds about 4 of the 8 system prompts: round-robin sends
+    every tenant everywhere and thrashes; prefix-aware gives each replica its tenants."""
+    rates = {}
+    for router in ("round-robin", "prefix-aware"):
+        app = f"tenants-{router}"
+        url = _deploy(cluster, tiny_path, RayServeConfig(replicas=2, router=router,
+                                                         app_name=app), num_blocks=150)
+        try:
+            _wait_reports(lambda app=app: len(_reports(app)) == 2)
+            rates[router] = _multi_tenant_hit_rate(url, tiny_path)
+        finally:
+            serve.delete(app)
+    print(f"prefix-cache hit rate: {rates}")
+    assert rates["prefix-aware"] >= 2 * rates["round-robin"], rates
+
+
+def test_autoscaling_adds_a_replica_under_load_and_drains_it_after(cluster, tiny_path):
+    app = "autoscale"
+    url = _deploy(cluster, tiny_path, RayServeConfig(
+        min_replicas=1, max_replicas=2, target_ongoing_requests=2, upscale_delay_s=1,
+        downscale_delay_s=4, router="least-load", app_name=app))
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0,
+                                timeout=120)
+    errors: list[str] = []
+    seen = {"max": _engine_replicas(app)}
+
+    async def load(stop: asyncio.Event) -> None:
+        async def worker() -> None:
+            while not stop.is_set():
+                try:
+                    r = await client.completions.create(
+                        model=tiny_path, prompt="load", max_tokens=200,
+                        extra_body={"ignore_eos": True})
+                    assert r.usage.completion_tokens == 200
+                except Exception as e:
+                    errors.append(repr(e))
+
+        workers = [asyncio.ensure_future(worker()) for _ in range(8)]
+        deadline = time.monotonic() + 90
+        while _engine_replicas(app) < 2 and time.monotonic() < deadline:
+            await asyncio.sleep(0.5)
+        seen["max"] = _engine_replicas(app)
+        await asyncio.sleep(3)  # the new replica takes traffic
+        stop.set()
+        await asyncio.gather(*workers)
+
+    try:
+        assert _engine_replicas(app) == 1
+        asyncio.run(load(asyncio.Event()))
+        assert seen["max"] == 2
+        deadline = time.monotonic() + 90
+        while _engine_replicas(app) > 1:
+            assert time.monotonic() < deadline, serve.status()
+            time.sleep(1)
+        assert errors == []  # scaling up and down lost no request
+    finally:
+        serve.delete(app)
+
+
+def test_cli_replicas_serve_and_drain_on_sigterm(tiny_path, tmp_path):
+    """``llmserve serve --replicas 2``: a local Ray cluster of its own; SIGTERM exits 0."""
+    port = free_port()
+    log = open(tmp_path / "ray-cli.log", "w")  # noqa: SIM115
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "llmserve.cli", "serve", "--model", tiny_path, "--port",
+         str(port), "--replicas", "2", "--no-database", "--kv-cache-memory", "0.05"],
+        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None, (tmp_path / "ray-cli.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "not ready in 180 s"
+            try:
+                if httpx.get(f"{url}/ready", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        r = openai.OpenAI(base_url=f"{url}/v1", api_key="x").chat.completions.create(
+            model=tiny_path, messages=[{"role": "user", "content": "hello"}], max_tokens=5)
+        assert r.usage.completion_tokens == 5
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(120) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
