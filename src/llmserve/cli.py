@@ -259,7 +259,8 @@ def serve_configs(args: argparse.Namespace | Sequence[str]):
         from llmserve.ray_serve.config import RayServeConfig
 
         ray_config = RayServeConfig(
-            replicas=args.replicas or args.min_replicas, address=args.ray_address,
+            replicas=args.replicas if args.replicas is not None else args.min_replicas,
+            address=args.ray_address,
             router=args.router, cpus_per_replica=args.cpus_per_replica,
             gpus_per_replica=args.gpus_per_replica,
             max_ongoing_requests=args.max_ongoing_requests, min_replicas=args.min_replicas,

@@ -38,5 +38,5 @@ LLMSERVE_FUSED_LAYERS: bool = os.environ.get("LLMSERVE_FUSED_LAYERS", "1") != "0
 LLMSERVE_RETAIN_FREED_MEMORY: bool = os.environ.get("LLMSERVE_RETAIN_FREED_MEMORY", "1") != "0"
 # Threads of the engine's math (default: the CPUs this process may run on). A Ray replica
 # sets it to its share of the node's CPUs (ray_serve/launcher.py).
-_threads = os.environ.get("LLMSERVE_NUM_THREADS", "")
-LLMSERVE_NUM_THREADS: int | None = int(_threads) if _threads.strip() else None
+_threads = os.environ.get("LLMSERVE_NUM_THREADS", "").strip()
+LLMSERVE_NUM_THREADS: int | None = int(_threads) if _threads.isdigit() and int(_threads) else None

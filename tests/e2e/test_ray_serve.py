@@ -18,6 +18,7 @@ import time
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from llmserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig
 from tests.e2e.conftest import free_port
@@ -72,7 +73,7 @@ def _reports(app: str) -> dict[str, dict]:
     """The engine replicas' last reports, as a router in this process holds them (the
     first call makes a handle, and so a router, here)."""
     serve.get_deployment_handle(ENGINE_DEPLOYMENT, app_name=app).describe.remote().result()
-    return replica_reports()
+    return {rid: r for rid, r in replica_reports().items() if r.get("app") == app}
 
 
 def _wait_reports(predicate, timeout: float = 20.0) -> None:
@@ -80,6 +81,36 @@ def _wait_reports(predicate, timeout: float = 20.0) -> None:
     while not predicate():
         assert time.monotonic() < deadline, "the replicas' reports did not arrive"
         time.sleep(0.2)
+
+
+def test_cli_replicas_serve_and_drain_on_sigterm(tiny_path, tmp_path):
+    """``llmserve serve --replicas 2``: a local Ray cluster of its own; SIGTERM exits 0."""
+    port = free_port()
+    log = open(tmp_path / "ray-cli.log", "w")  # noqa: SIM115
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "llmserve.cli", "serve", "--model", tiny_path, "--port",
+         str(port), "--replicas", "2", "--no-database", "--kv-cache-memory", "0.05"],
+        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None, (tmp_path / "ray-cli.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "not ready in 180 s"
+            try:
+                if httpx.get(f"{url}/ready", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        r = openai.OpenAI(base_url=f"{url}/v1", api_key="x").chat.completions.create(
+            model=tiny_path, messages=[{"role": "user", "content": "hello"}], max_tokens=5)
+        assert r.usage.completion_tokens == 5
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(120) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
 
 
 def test_two_replicas_serve_the_single_servers_api(cluster, tiny_path):
@@ -120,8 +151,18 @@ def test_two_replicas_serve_the_single_servers_api(cluster, tiny_path):
             url, "llmserve:request_success_total").values()) == 9)
         served = _metric_by_replica(url, "llmserve:request_success_total")
         assert min(served.values()) >= 4, served  # in turn
-        responses = httpx.get(f"{url}/metrics").text
-        assert 'llmserve:http_responses_total{model_name=' in responses
+        text = httpx.get(f"{url}/metrics").text
+        assert 'llmserve:http_responses_total{model_name=' in text
+        names = [f.name for f in text_string_to_metric_families(text)]
+        assert len(names) == len(set(names))  # one family per name: valid exposition
+        # a client that goes away mid-stream: its replica aborts the request
+        with httpx.stream("POST", f"{url}/v1/completions", timeout=30,
+                          headers={"Authorization": "Bearer sk-ray"},
+                          json={"model": tiny_path, "prompt": "long", "max_tokens": 900,
+                                "stream": True, "ignore_eos": True}) as r:
+            next(r.iter_lines())
+        _wait_reports(lambda: all(rep["num_unfinished"] == 0 and rep["kv_usage"] == 0
+                                  for rep in _reports(app).values()))
     finally:
         serve.delete(app)
 
@@ -180,6 +221,68 @@ def test_a_dead_replica_costs_only_the_requests_streaming_from_it(cluster, tiny_
         serve.delete(app)
 
 
+def test_a_replica_whose_engine_restarts_is_skipped_until_it_is_back(cluster, tiny_path):
+    """SIGKILL one replica's engine process (not the replica): while that engine restarts,
+    requests go to the other replica; none is refused or lost; then it serves again."""
+    app = "engine-restart"
+    url = _deploy(cluster, tiny_path, RayServeConfig(replicas=2, router="least-load",
+                                                     app_name=app))
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+    try:
+        _wait_reports(lambda: len(_reports(app)) == 2)
+        victim, report = sorted(_reports(app).items())[0]
+        os.kill(report["engine_pid"], signal.SIGKILL)
+        for i in range(12):
+            r = client.completions.create(model=tiny_path, prompt=f"during {i}", max_tokens=4)
+            assert r.usage.completion_tokens == 4
+        _wait_reports(lambda: _reports(app)[victim].get("restarts") == 1
+                      and _reports(app)[victim].get("accepting"), timeout=60)
+        assert _engine_replicas(app) == 2  # restarted in place, not replaced
+    finally:
+        serve.delete(app)
+
+
+def test_a_rolling_update_under_load_loses_no_request(cluster, tiny_path):
+    """Redeploy with a new configuration while requests stream: Ray starts the new
+    replicas and drains the old ones; every request completes."""
+    app = "rolling"
+    config = RayServeConfig(replicas=2, router="least-load", app_name=app)
+    url = _deploy(cluster, tiny_path, config)
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0,
+                                timeout=120)
+    errors: list[str] = []
+    done = [0]
+
+    async def worker(stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            try:
+                r = await client.completions.create(model=tiny_path, prompt="rolling",
+                                                    max_tokens=64,
+                                                    extra_body={"ignore_eos": True})
+                assert r.usage.completion_tokens == 64
+                done[0] += 1
+            except Exception as e:
+                errors.append(repr(e))
+
+    async def run() -> None:
+        stop = asyncio.Event()
+        workers = [asyncio.ensure_future(worker(stop)) for _ in range(4)]
+        await asyncio.sleep(2)
+        await asyncio.to_thread(_deploy, cluster, tiny_path, config, 480)  # new version
+        await asyncio.sleep(2)
+        stop.set()
+        await asyncio.gather(*workers)
+
+    try:
+        before = {r["pid"] for r in _reports(app).values()}
+        asyncio.run(run())
+        assert errors == [], errors[:3]
+        assert done[0] > 8
+        _wait_reports(lambda: {r["pid"] for r in _reports(app).values()}.isdisjoint(before))
+    finally:
+        serve.delete(app)
+
+
 def _multi_tenant_hit_rate(url: str, model: str, seed: int = 0) -> float:
     """8 system prompts of ~500 tokens, 200 requests in random order (4 at a time); the
     replicas' prefix-cache hit rate (hits / queries, in tokens) from /metrics."""
@@ -227,73 +330,44 @@ def test_prefix_aware_routing_doubles_the_prefix_cache_hit_rate(cluster, tiny_pa
 
 
 def test_autoscaling_adds_a_replica_under_load_and_drains_it_after(cluster, tiny_path):
+    """1 replica; 8 streams (target: 2 per replica) bring a second one, which serves
+    without a failed request; then one stream at a time (below the target) until a
+    replica is removed, with requests running on it as it drains: none is lost."""
     app = "autoscale"
     url = _deploy(cluster, tiny_path, RayServeConfig(
         min_replicas=1, max_replicas=2, target_ongoing_requests=2, upscale_delay_s=1,
         downscale_delay_s=4, router="least-load", app_name=app))
-    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0,
-                                timeout=120)
     errors: list[str] = []
-    seen = {"max": _engine_replicas(app)}
 
-    async def load(stop: asyncio.Event) -> None:
+    async def streams(n: int, max_tokens: int, until) -> None:
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0,
+                                    timeout=120)
+        stop = asyncio.Event()
+
         async def worker() -> None:
             while not stop.is_set():
                 try:
                     r = await client.completions.create(
-                        model=tiny_path, prompt="load", max_tokens=200,
+                        model=tiny_path, prompt="load", max_tokens=max_tokens,
                         extra_body={"ignore_eos": True})
-                    assert r.usage.completion_tokens == 200
+                    assert r.usage.completion_tokens == max_tokens
                 except Exception as e:
                     errors.append(repr(e))
 
-        workers = [asyncio.ensure_future(worker()) for _ in range(8)]
+        workers = [asyncio.ensure_future(worker()) for _ in range(n)]
         deadline = time.monotonic() + 90
-        while _engine_replicas(app) < 2 and time.monotonic() < deadline:
+        while not until() and time.monotonic() < deadline:
             await asyncio.sleep(0.5)
-        seen["max"] = _engine_replicas(app)
-        await asyncio.sleep(3)  # the new replica takes traffic
+        await asyncio.sleep(2)  # requests keep running on the replicas as they are now
         stop.set()
         await asyncio.gather(*workers)
 
     try:
         assert _engine_replicas(app) == 1
-        asyncio.run(load(asyncio.Event()))
-        assert seen["max"] == 2
-        deadline = time.monotonic() + 90
-        while _engine_replicas(app) > 1:
-            assert time.monotonic() < deadline, serve.status()
-            time.sleep(1)
+        asyncio.run(streams(8, 200, lambda: _engine_replicas(app) == 2))
+        assert _engine_replicas(app) == 2, serve.status()
+        asyncio.run(streams(1, 300, lambda: _engine_replicas(app) == 1))
+        assert _engine_replicas(app) == 1, serve.status()
         assert errors == []  # scaling up and down lost no request
     finally:
         serve.delete(app)
-
-
-def test_cli_replicas_serve_and_drain_on_sigterm(tiny_path, tmp_path):
-    """``llmserve serve --replicas 2``: a local Ray cluster of its own; SIGTERM exits 0."""
-    port = free_port()
-    log = open(tmp_path / "ray-cli.log", "w")  # noqa: SIM115
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "llmserve.cli", "serve", "--model", tiny_path, "--port",
-         str(port), "--replicas", "2", "--no-database", "--kv-cache-memory", "0.05"],
-        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None, (tmp_path / "ray-cli.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "not ready in 180 s"
-            try:
-                if httpx.get(f"{url}/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        r = openai.OpenAI(base_url=f"{url}/v1", api_key="x").chat.completions.create(
-            model=tiny_path, messages=[{"role": "user", "content": "hello"}], max_tokens=5)
-        assert r.usage.completion_tokens == 5
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(120) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()

@@ -105,6 +105,15 @@ class RequestStream:
         self.finished = event.output is not None or event.error is not None
         return event
 
+    def queued(self) -> list[RequestEvent]:
+        """The events already queued, without waiting (up to and including a last one)."""
+        out: list[RequestEvent] = []
+        while not self.finished and not self._events.empty():
+            event: RequestEvent = self._events.get_nowait()
+            self.finished = event.output is not None or event.error is not None
+            out.append(event)
+        return out
+
     def close(self, *, counted: bool = True) -> None:
         """Abort the request if it is still running; ``counted=False`` for a request
         withdrawn before it was answered (a sibling prompt got 429): not an abort."""

@@ -7,13 +7,15 @@ whose request router picks the replica. A request's stream is the replica's stre
 RequestEvents, relayed.
 
 Failures cost only the requests they touch:
-- a replica that dies (or becomes unreachable) before it sent a request its first event:
-  the request is sent again, and the router, which has dropped the dead replica, picks
-  another one (up to ``max_attempts`` sends in all);
+- a replica that dies (or becomes unreachable), or whose engine fails, before the request's
+  first event reached the client: the request is sent again, and the routers put that
+  replica last (up to ``max_attempts`` sends in all);
 - a replica that dies after the first event: the stream ends with an "engine_error" event,
-  which the client sees as a final error event (streaming) or a 500 (not streaming);
-- a replica whose engine is restarting answers "unavailable" and the request goes to
-  another replica.
+  which the client sees as a final error event (streaming) or a 500 (not streaming), and
+  the replica gets a strike: three within 30 s open its circuit breaker (reports.py);
+- a replica whose engine is restarting answers "unavailable" and the request is sent
+  again (the routers skip that replica once its next report says so), for up to
+  ``unavailable_patience`` seconds before the client gets 503.
 """
 
 from __future__ import annotations
@@ -21,10 +23,12 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
+from collections import deque
+from dataclasses import replace
 from typing import Any
 
 from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
-from ray.serve.exceptions import RequestCancelledError
+from ray.serve.exceptions import BackPressureError, RayServeException, RequestCancelledError
 
 from llmserve.engine.async_llm import (
     EngineBusyError,
@@ -36,7 +40,7 @@ from llmserve.engine.async_llm import (
 from llmserve.engine.validation import ContextLengthError, check_request
 from llmserve.logger import get_logger
 from llmserve.ray_serve.messages import Accepted, Rejected, ReplicaInfo, Submission
-from llmserve.ray_serve.reports import replica_reports
+from llmserve.ray_serve.reports import record_failure, replica_reports
 from llmserve.sampling_params import SamplingParams
 from llmserve.tokenizer import Tokenizer
 
@@ -47,10 +51,14 @@ _REPLICA_FAILURES = (RayActorError, ActorUnavailableError, RayTaskError)
 
 
 class RayEngineClient:
-    def __init__(self, handle: Any, tokenizer: Tokenizer, *, max_attempts: int = 3) -> None:
+    def __init__(self, handle: Any, tokenizer: Tokenizer, *, max_attempts: int = 3,
+                 unavailable_patience: float = 5.0) -> None:
         self.handle = handle  # the engine replicas' DeploymentHandle
         self.tokenizer = tokenizer
-        self.max_attempts = max_attempts
+        self.max_attempts = max_attempts  # sends of one request to replicas that failed
+        # How long a request may keep meeting replicas whose engines are restarting
+        # before it is answered 503.
+        self.unavailable_patience = unavailable_patience
         self.max_model_len = 0
         self.vocab_size = 0
         self.ready_info: Any = None
@@ -70,8 +78,7 @@ class RayEngineClient:
 
     async def shutdown(self, timeout: float = 10.0) -> None:
         self.status = "stopped"
-        for stream in list(self._open.values()):
-            stream.close()
+        self.abort_all("shutdown", "the server is shutting down")
 
     @property
     def ready(self) -> bool:
@@ -142,9 +149,12 @@ class RayRequestStream:
         self.request_id = submission.request_id
         self.submission = submission
         self.finished = False
-        self.replica: str | None = None
-        self._gen: Any = None  # the replica's DeploymentResponseGenerator
+        self.replica: str | None = None  # the replica that accepted the last send
+        self._gen: Any = None  # that send's DeploymentResponseGenerator
+        self._pending: deque[RequestEvent] = deque()  # received, not yet taken
         self._sends = 0
+        self._failures = 0  # sends that ended by their replica failing
+        self._avoid: set[str] = set()  # replicas that failed or refused this request
         self._relayed = 0
         self._forced: RequestEvent | None = None  # an end decided here (shutdown)
 
@@ -153,29 +163,74 @@ class RayRequestStream:
 
     async def accepted(self) -> None:
         """Send the request until a replica queues it. Raises QueueFullError,
-        EngineUnavailableError, ContextLengthError or ValueError as AsyncLLM.submit does."""
+        EngineUnavailableError, ContextLengthError or ValueError as AsyncLLM.submit does;
+        however it ends without a queued request (cancelled too), nothing is left behind."""
+        try:
+            await self._accept()
+        except BaseException:
+            self.finished = True
+            self._close_quietly()
+            raise
+
+    async def _accept(self) -> None:
+        """1. Send (to the replica the router picks; this request's failed or refusing
+              replicas last).
+           2. A replica that dies before answering: send again, up to max_attempts.
+           3. A replica whose engine is restarting, or whose queue is full: send again,
+              while another replica may take it (queue full) or for up to
+              unavailable_patience seconds (restarting); then 429 or 503."""
+        started, waits = time.monotonic(), 0
         while True:
-            self._sends += 1
-            last = self._sends >= self.client.max_attempts
-            self._gen = self.client.handle.options(stream=True).generate.remote(self.submission)
+            if self._forced is not None or self.finished:
+                message = self._forced.message if self._forced else None
+                raise EngineUnavailableError(message or "the request was withdrawn")
+            self._send()
             try:
                 first = await self._gen.__anext__()
             except _REPLICA_FAILURES as e:
-                if last:
-                    self._close_quietly()
+                self._failures += 1
+                if self._failures >= self.client.max_attempts:
                     raise EngineUnavailableError(f"no replica could take the request "
                                                  f"({_cause(e)})") from None
-                logger.warning("request %s: replica failed before accepting it (%s); sending "
-                               "it to another replica", self.request_id, _cause(e))
+                logger.warning("request %s: a replica failed before accepting it (%s); "
+                               "sending it again", self.request_id, _cause(e))
                 continue
+            except BackPressureError as e:  # every replica busy and Ray's queue full
+                raise QueueFullError(f"the server is at capacity ({_cause(e)}); retry later",
+                                     5) from None
+            except StopAsyncIteration:
+                raise EngineUnavailableError("a replica ended the request without an "
+                                             "answer") from None
+            except RequestCancelledError:
+                raise EngineUnavailableError("the request was withdrawn") from None
+            except RayServeException as e:  # no replica (deleted, draining)
+                raise EngineUnavailableError(f"no replica is serving ({_cause(e)})") from None
             if isinstance(first, Accepted):
                 self.replica = first.replica
                 return
-            if isinstance(first, Rejected) and first.kind == "unavailable" and not last:
-                await asyncio.sleep(0.05 * self._sends)
-                continue
-            self._close_quietly()
+            if isinstance(first, Rejected) and first.kind in ("unavailable", "queue_full"):
+                self._avoid.add(first.replica)
+                others = len(replica_reports()) > len(self._avoid)
+                patient = (first.kind == "unavailable"
+                           and time.monotonic() - started < self.client.unavailable_patience)
+                if others or patient:
+                    await asyncio.sleep(min(0.05 * 2 ** waits, 0.5))
+                    waits += 1
+                    continue
             raise _rejection(first)
+
+    def _send(self) -> None:
+        """Send the request once more, cancelling any earlier send (its replica may be
+        alive and still working on it); each send has an engine request id of its own."""
+        if self._gen is not None:
+            self._gen.cancel()
+        self._pending.clear()
+        self._sends += 1
+        sub = self.submission
+        if self._sends > 1:
+            sub = replace(sub, request_id=f"{self.request_id}-send{self._sends}",
+                          avoid=frozenset(self._avoid))
+        self._gen = self.client.handle.options(stream=True).generate.remote(sub)
 
     async def __anext__(self) -> RequestEvent:
         if self.finished:
@@ -183,34 +238,58 @@ class RayRequestStream:
         if self._gen is None:
             await self.accepted()
         while True:
-            try:
-                event = await self._gen.__anext__()
-            except (RequestCancelledError, asyncio.CancelledError):
-                if self._forced is None:
-                    raise
-                event = self._forced
-            except StopAsyncIteration:
-                event = self._forced or RequestEvent(
-                    error="engine_error",
-                    message="the replica ended this request's stream without a final event")
-            except _REPLICA_FAILURES as e:
-                if self._relayed == 0 and self._sends < self.client.max_attempts:
-                    logger.warning("request %s: replica %s failed before its first event (%s);"
-                                   " sending it to another replica", self.request_id,
-                                   self.replica, _cause(e))
-                    await self.accepted()
+            event = await self._next_event()
+            if (event.error == "engine_error" and self._relayed == 0 and self._forced is None
+                    and not self.finished and self._failures + 1 < self.client.max_attempts):
+                # Nothing reached the client yet: send it again, elsewhere.
+                self._failures += 1
+                if self.replica is not None:
+                    self._avoid.add(self.replica)
+                logger.warning("request %s: %s; sending it again", self.request_id,
+                               event.message)
+                try:
+                    await self._accept()
+                except (QueueFullError, EngineUnavailableError) as e:
+                    kind = "queue_full" if isinstance(e, QueueFullError) else "unavailable"
+                    event = RequestEvent(error=kind, message=str(e))
+                except ValueError as e:  # the replicas' limits differ (a rolling update)
+                    event = RequestEvent(error="invalid_request", message=str(e))
+                else:
                     continue
-                event = RequestEvent(error="engine_error", message=(
-                    f"the replica serving this request failed ({_cause(e)}) after "
-                    f"{self._relayed} events; it was not completed"))
             break
         if self._forced is not None:
             event = self._forced
         self._relayed += 1
         if event.output is not None or event.error is not None:
             self.finished = True
-            self.client._open.pop(self.request_id, None)
+            self._close_quietly()
         return event
+
+    async def _next_event(self) -> RequestEvent:
+        """The next event of the current send; a failure of its replica as an error
+        event (and a strike against that replica's circuit breaker)."""
+        try:
+            if not self._pending:
+                self._pending.extend(await self._gen.__anext__())
+            return self._pending.popleft()
+        except (RequestCancelledError, asyncio.CancelledError):
+            if self._forced is not None:
+                return self._forced
+            if self.finished:  # closed here while a reader waited
+                raise StopAsyncIteration from None
+            raise
+        except StopAsyncIteration:
+            return self._forced or RequestEvent(
+                error="engine_error",
+                message="the replica ended this request's stream without a final event")
+        except _REPLICA_FAILURES as e:
+            record_failure(self.replica)
+            return RequestEvent(error="engine_error", message=(
+                f"the replica serving this request failed ({_cause(e)}) after "
+                f"{self._relayed} events; it was not completed"))
+        except RayServeException as e:
+            return RequestEvent(error="engine_error",
+                                message=f"the request's replica is gone ({_cause(e)})")
 
     def fail(self, error: str, message: str) -> None:
         """End the stream here with an error event (the replica's request is cancelled)."""
@@ -228,7 +307,7 @@ class RayRequestStream:
     def _close_quietly(self) -> None:
         self.client._open.pop(self.request_id, None)
         if self._gen is not None:
-            self._gen.cancel()
+            self._gen.cancel()  # a no-op for a send that has ended
 
 
 def _rejection(answer: object) -> Exception:

@@ -13,6 +13,7 @@ is 0.
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
@@ -106,8 +107,7 @@ def start(engine_config: EngineConfig, config: ServerConfig,
     from ray import serve
 
     if not ray.is_initialized():
-        ray.init(address=ray_config.address, include_dashboard=False,
-                 log_to_driver=False, configure_logging=False)
+        _connect(ray_config)
     serve.start(http_options={"host": config.host, "port": config.port})
     began = time.monotonic()
     serve.run(build_application(engine_config, config, ray_config),
@@ -121,13 +121,28 @@ def start(engine_config: EngineConfig, config: ServerConfig,
 
 
 def stop(ray_config: RayServeConfig) -> None:
-    """Drain and remove the application, then stop Serve and Ray."""
+    """Drain and remove the application; then stop Serve and the local Ray cluster if this
+    process started them (an existing cluster keeps its other applications)."""
     import ray
     from ray import serve
 
     serve.delete(ray_config.app_name)  # waits while replicas finish their requests
-    serve.shutdown()
-    ray.shutdown()
+    if ray_config.address is None:
+        serve.shutdown()
+    ray.shutdown()  # a local cluster stops; a connection to an existing one closes
+
+
+def _connect(ray_config: RayServeConfig) -> None:
+    """Start a local Ray cluster of our own (never join one found on the machine unless
+    --ray-address says so), or connect to the given one."""
+    import ray
+
+    if ray_config.address is None:
+        # Ray runs its workers at nice 15 by default, below everything else on the node;
+        # here the workers (the replicas and their engines) are the point of the cluster.
+        os.environ.setdefault("RAY_worker_niceness", "0")
+    ray.init(address=ray_config.address or "local", include_dashboard=False,
+             log_to_driver=False, configure_logging=False)
 
 
 def serve_on_ray(engine_config: EngineConfig, config: ServerConfig,
@@ -141,12 +156,9 @@ def serve_on_ray(engine_config: EngineConfig, config: ServerConfig,
         logger.info("shutdown requested: draining (up to %.0f s)", config.shutdown_timeout)
         stop_requested.set()
 
-    import ray
-
     # Ray installs its own SIGTERM handler when it starts; ours replaces it, and it is in
     # place before the deployment starts (a signal during start-up drains once it is up).
-    ray.init(address=ray_config.address, include_dashboard=False, log_to_driver=False,
-             configure_logging=False)
+    _connect(ray_config)
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         start(engine_config, config, ray_config)

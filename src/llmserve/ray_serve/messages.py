@@ -16,6 +16,8 @@ class Submission:
     params: SamplingParams
     prompt: str | None = None
     priority: int = 0
+    # Replicas that failed or refused this request before: the routers try them last.
+    avoid: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,7 @@ class Rejected:
     kind: str
     message: str
     retry_after: int = 5
+    replica: str = ""
 
 
 @dataclass(frozen=True)

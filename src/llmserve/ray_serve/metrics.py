@@ -29,8 +29,10 @@ class ClusterMetrics(ServerMetrics):
 
     def render(self) -> bytes:
         families: dict[str, Metric] = {}
-        for family in self.registry.collect():
-            if family.name in INGRESS_FAMILIES:
+        # Through the text format, as the replicas' come: counters' _created samples then
+        # form the same families on both sides.
+        for family in text_string_to_metric_families(generate_latest(self.registry).decode()):
+            if family.name.removesuffix("_created") in INGRESS_FAMILIES:
                 _merge(families, family, None)
         for replica, report in sorted(self._reports().items()):
             text = report.get("metrics")

@@ -30,7 +30,9 @@ class EngineReplica:
     async def __init__(self, engine_config: EngineConfig, config: ServerConfig) -> None:
         from ray import serve
 
-        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        context = serve.get_replica_context()
+        self.replica_id = context.replica_id.unique_id
+        self.app_name = context.app_name
         self.metrics = ServerMetrics(config.served_model_name or engine_config.model.model)
         self.engine = AsyncLLM(engine_config, load_tokenizer(engine_config.model.model),
                                max_queued_requests=config.max_queued_requests,
@@ -47,27 +49,29 @@ class EngineReplica:
         return ReplicaInfo(self.engine.max_model_len, self.engine.vocab_size, self.ready)
 
     async def generate(self, sub: Submission) -> AsyncIterator[Accepted | Rejected
-                                                                | RequestEvent]:
-        """Queue the request: yield Accepted (or one Rejected), then its events."""
+                                                                | list[RequestEvent]]:
+        """Queue the request: yield Accepted (or one Rejected), then its events, as lists
+        of what is queued when the caller takes the next item: one event while the caller
+        keeps up, several (one Ray message) when it lags."""
         try:
             stream = self.engine.submit(sub.request_id, sub.prompt_token_ids, sub.params,
                                         sub.prompt, sub.priority)
         except QueueFullError as e:
-            yield Rejected("queue_full", str(e), e.retry_after)
+            yield Rejected("queue_full", str(e), e.retry_after, self.replica_id)
             return
         except EngineUnavailableError as e:
-            yield Rejected("unavailable", str(e), e.retry_after)
+            yield Rejected("unavailable", str(e), e.retry_after, self.replica_id)
             return
         except ContextLengthError as e:
-            yield Rejected("context_length", str(e))
+            yield Rejected("context_length", str(e), replica=self.replica_id)
             return
         except ValueError as e:
-            yield Rejected("invalid", str(e))
+            yield Rejected("invalid", str(e), replica=self.replica_id)
             return
         try:
             yield Accepted(self.replica_id)
             async for event in stream:
-                yield event
+                yield [event, *stream.queued()]
         finally:
             stream.close()  # cancelled (client gone): abort in the engine
 
@@ -79,6 +83,7 @@ class EngineReplica:
         stats = self.engine.last_stats
         health = self.engine.health()
         return {
+            "app": self.app_name,
             "accepting": self.engine.ready,
             "status": health.status,
             "restarts": health.restarts,

@@ -21,13 +21,7 @@ import itertools
 from collections.abc import Hashable
 from typing import Any
 
-from ray.serve.request_router import (
-    FIFOMixin,
-    LocalityMixin,
-    PendingRequest,
-    RequestRouter,
-    RunningReplica,
-)
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from llmserve.ray_serve import reports
 from llmserve.ray_serve.policy import (
@@ -40,9 +34,12 @@ from llmserve.ray_serve.policy import (
 
 ROUTING_STATS_PERIOD_S = 1.0
 
-class _LLMRouter(FIFOMixin, LocalityMixin, RequestRouter):
-    """What the three policies share: registration, loads, and skipping replicas that
-    do not accept requests."""
+class _LLMRouter(RequestRouter):
+    """What the three policies share: registration, loads, skipping replicas that do not
+    accept requests, and trying last those that failed or refused this request.
+
+    No FIFOMixin: with it Ray hands the replica chosen for one request to the oldest one
+    waiting, which would undo a prefix-aware choice whenever requests queue."""
 
     def initialize_state(self, **kwargs: Any) -> None:
         reports.register(self)  # by module attribute: this module is pickled by value
@@ -56,12 +53,25 @@ class _LLMRouter(FIFOMixin, LocalityMixin, RequestRouter):
                            float(stats.get("kv_usage", 0.0)))
 
     @staticmethod
-    def _accepting(candidates: list[RunningReplica]) -> list[RunningReplica]:
-        healthy = [r for r in candidates if (r.routing_stats or {}).get("accepting", True)]
+    def _accepting(candidates: list[RunningReplica],
+                   pending_request: PendingRequest | None) -> list[RunningReplica]:
+        """Candidates whose engines accept requests and whose circuit breakers are
+        closed (all candidates if none is). Also asks Ray to back off between rounds
+        when every replica is full (Ray sleeps only when a router says so)."""
+        if pending_request is not None:
+            pending_request.routing_context.should_backoff = True
+        healthy = [r for r in candidates if (r.routing_stats or {}).get("accepting", True)
+                   and not reports.circuit_open(r.replica_id.unique_id)]
         return healthy or candidates
 
-    def _ranked(self, order: list[Hashable],
-                by_id: dict[Hashable, RunningReplica]) -> list[list[RunningReplica]]:
+    @staticmethod
+    def _ranked(order: list[Hashable], by_id: dict[Hashable, RunningReplica],
+                pending_request: PendingRequest | None) -> list[list[RunningReplica]]:
+        """One replica per rank, in ``order``, the request's failed or refusing replicas
+        last."""
+        sub = pending_request.args[0] if pending_request and pending_request.args else None
+        avoid = getattr(sub, "avoid", frozenset())
+        order = [r for r in order if r not in avoid] + [r for r in order if r in avoid]
         return [[by_id[r]] for r in order]
 
 
@@ -75,13 +85,13 @@ class RoundRobinRouter(_LLMRouter):
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None,
                               ) -> list[list[RunningReplica]]:
-        candidates = self._accepting(candidate_replicas)
+        candidates = self._accepting(candidate_replicas, pending_request)
         if not candidates:
             return []
         by_id = {r.replica_id.unique_id: r for r in candidates}
         first = round_robin(list(by_id), next(self._turn))
         rest = [r for r in sorted(by_id) if r != first]
-        return self._ranked([first, *rest], by_id)
+        return self._ranked([first, *rest], by_id, pending_request)
 
 
 class LeastLoadRouter(_LLMRouter):
@@ -91,9 +101,10 @@ class LeastLoadRouter(_LLMRouter):
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None,
                               ) -> list[list[RunningReplica]]:
-        candidates = self._accepting(candidate_replicas)
+        candidates = self._accepting(candidate_replicas, pending_request)
         by_id = {r.replica_id.unique_id: r for r in candidates}
-        return self._ranked(least_loaded({k: self._load(r) for k, r in by_id.items()}), by_id)
+        loads = {k: self._load(r) for k, r in by_id.items()}
+        return self._ranked(least_loaded(loads), by_id, pending_request)
 
 
 class PrefixAwareRouter(_LLMRouter):
@@ -114,17 +125,17 @@ class PrefixAwareRouter(_LLMRouter):
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None,
                               ) -> list[list[RunningReplica]]:
-        self.index.retain(r.unique_id for r in self.curr_replicas)
-        candidates = self._accepting(candidate_replicas)
+        self.index.retain(r.unique_id for r in list(self.curr_replicas))
+        candidates = self._accepting(candidate_replicas, pending_request)
         by_id = {r.replica_id.unique_id: r for r in candidates}
         loads = {k: self._load(r) for k, r in by_id.items()}
         prompt = _prompt_of(pending_request)
         if prompt is None:
-            return self._ranked(least_loaded(loads), by_id)
+            return self._ranked(least_loaded(loads), by_id, pending_request)
         order = prefix_aware(loads, self.index.match(prompt, by_id), self.index.sizes(),
                              imbalance_threshold=self.imbalance_threshold,
                              min_match=self.min_match_tokens)
-        return self._ranked(order, by_id)
+        return self._ranked(order, by_id, pending_request)
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
         prompt = _prompt_of(pending_request)

@@ -23,7 +23,6 @@ from starlette.requests import Request
 
 from llmserve.engine.async_llm import (
     AsyncLLM,
-    EngineUnavailableError,
     QueueFullError,
     RequestEvent,
     RequestStream,
@@ -132,15 +131,19 @@ async def _submit_all(engine: AsyncLLM, job: Job) -> list[RequestStream]:
             streams.append(engine.submit(f"{job.request_id}-{i}", ids, job.params, text,
                                          job.priority))
             await streams[-1].accepted()
-    except (QueueFullError, EngineUnavailableError, ValueError) as e:
+    except BaseException as e:  # refused, or the client went away while it was queued
         for st in streams:
             st.close(counted=False)  # withdrawn unanswered: not an abort
-        if isinstance(e, EngineUnavailableError):
-            raise
+        if isinstance(e, QueueFullError):
+            raise APIError(429, str(e), type="rate_limit_error", code="queue_full",
+                           headers={"Retry-After": str(e.retry_after)}) from None
+        if isinstance(e, ContextLengthError):
+            raise bad_request(f"This model's maximum context length is "
+                              f"{engine.max_model_len} tokens: {e}", param="max_tokens",
+                              code="context_length_exceeded") from None
         if isinstance(e, ValueError):
             raise bad_request(str(e), param=param_of(str(e))) from None
-        raise APIError(429, str(e), type="rate_limit_error", code="queue_full",
-                       headers={"Retry-After": str(e.retry_after)}) from None
+        raise
     return streams
 
 
@@ -183,6 +186,13 @@ def _error_from_event(event: RequestEvent) -> APIError:
                         code="shutting_down", headers={"Retry-After": "5"})
     if event.error == "invalid_request":
         return bad_request(event.message or "invalid request")
+    if event.error == "queue_full":  # a request sent again to replicas that were full
+        return APIError(429, event.message or "the server is at capacity",
+                        type="rate_limit_error", code="queue_full",
+                        headers={"Retry-After": "5"})
+    if event.error == "unavailable":
+        return APIError(503, event.message or "no replica is available",
+                        type="server_error", code="unavailable", headers={"Retry-After": "5"})
     return APIError(500, event.message or "internal error", type="server_error",
                     code=event.error)
 
