@@ -102,8 +102,9 @@ def _build_parser() -> argparse.ArgumentParser:
     ray.add_argument("--cpus-per-replica", type=float, default=1.0,
                      help="Ray CPUs each replica reserves (its engine's threads)")
     ray.add_argument("--gpus-per-replica", type=float, default=0.0)
-    ray.add_argument("--max-ongoing-requests", type=int, default=64,
-                     help="requests a replica takes at a time; more wait in the router")
+    ray.add_argument("--max-ongoing-requests", type=int, default=None,
+                     help="requests a replica takes at a time; more wait in the router "
+                          "(default: --max-num-seqs + --max-queued-requests)")
     ray.add_argument("--min-replicas", type=int, default=None,
                      help="autoscale on queue depth between --min-replicas and --max-replicas")
     ray.add_argument("--max-replicas", type=int, default=None)

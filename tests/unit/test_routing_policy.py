@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+from llmserve.ray_serve import reports
 from llmserve.ray_serve.config import RayServeConfig
 from llmserve.ray_serve.policy import (
     PrefixIndex,
@@ -97,3 +98,23 @@ def test_prefix_aware_without_a_match_spreads_new_prefixes_by_size():
 def test_ray_serve_config_refuses_what_it_cannot_run(kwargs, message):
     with pytest.raises(ValueError, match=message):
         RayServeConfig(**kwargs)
+
+
+def test_circuit_breaker_opens_on_repeated_failures_and_half_opens_after_the_window():
+    rid = "breaker-test-replica"
+    window = reports.BREAKER_WINDOW_S
+    reports.record_failure(rid, now=0.0)
+    reports.record_failure(rid, now=1.0)
+    assert not reports.circuit_open(rid, now=1.5)  # two strikes: still closed
+    reports.record_failure(rid, now=2.0)
+    assert reports.circuit_open(rid, now=2.5)
+    assert reports.circuit_open(rid, now=2.0 + window - 0.1)
+    assert not reports.circuit_open(rid, now=2.0 + window + 0.1)  # half-open: tried again
+    reports.record_failure(rid, now=40.0)  # and one more failure reopens it
+    assert reports.circuit_open(rid, now=40.5)
+    assert not reports.circuit_open(rid, now=80.0)  # half-open again
+    reports.record_success(rid)  # a request completed: closed
+    reports.record_failure(rid, now=81.0)
+    assert not reports.circuit_open(rid, now=81.5)
+    assert not reports.circuit_open("another-replica", now=40.5)
+    reports.record_failure(None)  # a failure before any replica accepted: nobody's strike

@@ -40,7 +40,7 @@ from llmserve.engine.async_llm import (
 from llmserve.engine.validation import ContextLengthError, check_request
 from llmserve.logger import get_logger
 from llmserve.ray_serve.messages import Accepted, Rejected, ReplicaInfo, Submission
-from llmserve.ray_serve.reports import record_failure, replica_reports
+from llmserve.ray_serve.reports import record_failure, record_success, replica_reports
 from llmserve.sampling_params import SamplingParams
 from llmserve.tokenizer import Tokenizer
 
@@ -263,6 +263,8 @@ class RayRequestStream:
         if event.output is not None or event.error is not None:
             self.finished = True
             self._close_quietly()
+            if event.output is not None:
+                record_success(self.replica)
         return event
 
     async def _next_event(self) -> RequestEvent:

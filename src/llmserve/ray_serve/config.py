@@ -19,8 +19,10 @@ class RayServeConfig:
     router: str = "prefix-aware"
     cpus_per_replica: float = 1.0
     gpus_per_replica: float = 0.0
-    # Requests one replica takes at a time; more wait in the router (Ray's backpressure).
-    max_ongoing_requests: int = 64
+    # Requests one replica takes at a time; more wait in the router. None: as many as its
+    # engine runs and queues (max_num_seqs + --max-queued-requests), so that a full
+    # deployment answers 429 as a single server does.
+    max_ongoing_requests: int | None = None
     min_replicas: int | None = None  # set (with max_replicas) to autoscale
     max_replicas: int | None = None
     target_ongoing_requests: float = 16.0
@@ -39,7 +41,7 @@ class RayServeConfig:
         if self.cpus_per_replica <= 0 or self.gpus_per_replica < 0:
             raise ValueError("cpus-per-replica must be > 0 and gpus-per-replica >= 0, got "
                              f"{self.cpus_per_replica} and {self.gpus_per_replica}")
-        if self.max_ongoing_requests < 1:
+        if self.max_ongoing_requests is not None and self.max_ongoing_requests < 1:
             raise ValueError(f"max-ongoing-requests must be >= 1, "
                              f"got {self.max_ongoing_requests}")
         if (self.min_replicas is None) != (self.max_replicas is None):

@@ -44,6 +44,8 @@ def build_application(engine_config: EngineConfig, config: ServerConfig,
                       "min_match_tokens": engine_config.cache.block_size}
                      if ray_config.router == "prefix-aware" else {})
     threads = max(1, int(ray_config.cpus_per_replica))
+    max_ongoing = ray_config.max_ongoing_requests or (
+        engine_config.scheduler.max_num_seqs + (config.max_queued_requests or 1024))
     scaling: dict[str, Any] = {"num_replicas": ray_config.replicas}
     if ray_config.autoscaling:
         scaling = {"autoscaling_config": AutoscalingConfig(
@@ -55,7 +57,7 @@ def build_application(engine_config: EngineConfig, config: ServerConfig,
             metrics_interval_s=1.0, look_back_period_s=5.0)}
     engine = serve.deployment(
         EngineReplica, name=ENGINE_DEPLOYMENT, **scaling,
-        max_ongoing_requests=ray_config.max_ongoing_requests,
+        max_ongoing_requests=max_ongoing,
         ray_actor_options={"num_cpus": ray_config.cpus_per_replica,
                            "num_gpus": ray_config.gpus_per_replica,
                            "runtime_env": {"env_vars": {"LLMSERVE_NUM_THREADS": str(threads)}}},

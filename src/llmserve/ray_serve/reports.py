@@ -24,6 +24,7 @@ BREAKER_WINDOW_S = 30.0
 
 _ROUTERS: weakref.WeakSet[Any] = weakref.WeakSet()
 _FAILURES: dict[str, deque[float]] = {}
+_HALF_OPEN: set[str] = set()
 _LOCK = threading.Lock()  # routers run on Ray's router thread, the ingress on its own
 
 
@@ -45,12 +46,24 @@ def replica_reports() -> dict[str, dict[str, Any]]:
 
 
 def record_failure(replica: str | None, now: float | None = None) -> None:
+    """A request failed because of this replica (it died under it, or cut its stream)."""
     if replica is None:
         return
     now = time.monotonic() if now is None else now
     with _LOCK:
         times = _FAILURES.setdefault(replica, deque(maxlen=BREAKER_FAILURES))
-        times.append(now)
+        if replica in _HALF_OPEN:  # the trial failed: open again
+            _HALF_OPEN.discard(replica)
+            times.extend([now] * BREAKER_FAILURES)
+        else:
+            times.append(now)
+
+
+def record_success(replica: str | None) -> None:
+    """A request completed on this replica: a half-open breaker closes."""
+    if replica is not None and replica in _HALF_OPEN:
+        with _LOCK:
+            _HALF_OPEN.discard(replica)
 
 
 def circuit_open(replica: str, now: float | None = None) -> bool:
@@ -58,10 +71,12 @@ def circuit_open(replica: str, now: float | None = None) -> bool:
     now = time.monotonic() if now is None else now
     with _LOCK:
         times = _FAILURES.get(replica)
-        if not times:
+        if not times or len(times) < BREAKER_FAILURES:
             return False
-        if now - times[-1] > BREAKER_WINDOW_S:  # cooled down: half-open
-            if len(times) >= BREAKER_FAILURES:
-                times.popleft()  # the next failure reopens it
+        if times[-1] - times[0] > BREAKER_WINDOW_S:  # strikes too far apart
             return False
-        return len(times) >= BREAKER_FAILURES and times[-1] - times[0] <= BREAKER_WINDOW_S
+        if now - times[-1] > BREAKER_WINDOW_S:  # cooled down: half-open, tried again
+            times.clear()
+            _HALF_OPEN.add(replica)
+            return False
+        return True
