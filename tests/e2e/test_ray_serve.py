@@ -44,10 +44,11 @@ def cluster():
 
 
 def _deploy(url: str, model: str, ray_config: RayServeConfig, num_blocks: int = 512,
-            **server: object) -> str:
+            max_num_seqs: int = 64, **server: object) -> str:
     engine = EngineConfig(model=ModelConfig(model, max_model_len=1024),
                           cache=CacheConfig(num_blocks=num_blocks),
-                          scheduler=SchedulerConfig(max_num_batched_tokens=1024))
+                          scheduler=SchedulerConfig(max_num_batched_tokens=1024,
+                                                    max_num_seqs=max_num_seqs))
     config = ServerConfig(use_database=False, **server)  # type: ignore[arg-type]
     serve.run(build_application(engine, config, ray_config), name=ray_config.app_name,
               route_prefix="/", blocking=False)
@@ -118,7 +119,8 @@ def test_two_replicas_serve_the_single_servers_api(cluster, tiny_path):
     n > 1, errors in OpenAI's envelope; /metrics reports both replicas."""
     app = "api"
     url = _deploy(cluster, tiny_path, RayServeConfig(replicas=2, router="round-robin",
-                                                     app_name=app), api_key="sk-ray")
+                                                     app_name=app), api_key="sk-ray",
+                  max_num_seqs=2, max_queued_requests=2)
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="sk-ray", max_retries=0)
     try:
         texts = set()
@@ -163,6 +165,23 @@ def test_two_replicas_serve_the_single_servers_api(cluster, tiny_path):
             next(r.iter_lines())
         _wait_reports(lambda: all(rep["num_unfinished"] == 0 and rep["kv_usage"] == 0
                                   for rep in _reports(app).values()))
+        # more than the replicas run and queue (2 x (2 + 2)): 429 with Retry-After
+        async def flood() -> list[int]:
+            async with httpx.AsyncClient(timeout=60) as http:
+                answers = await asyncio.gather(*(http.post(
+                    f"{url}/v1/completions", headers={"Authorization": "Bearer sk-ray"},
+                    json={"model": tiny_path, "prompt": f"flood {i}", "max_tokens": 200,
+                          "ignore_eos": True}) for i in range(16)))
+            for a in answers:
+                if a.status_code == 429:
+                    assert a.headers["Retry-After"] and a.json()["error"]["code"] == \
+                        "queue_full"
+            bad = [a.text for a in answers if a.status_code not in (200, 429)]
+            assert not bad, bad[:2]
+            return [a.status_code for a in answers]
+
+        codes = asyncio.run(flood())
+        assert set(codes) == {200, 429} and codes.count(200) >= 8, codes
     finally:
         serve.delete(app)
 

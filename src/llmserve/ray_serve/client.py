@@ -184,9 +184,13 @@ class RayRequestStream:
             if self._forced is not None or self.finished:
                 message = self._forced.message if self._forced else None
                 raise EngineUnavailableError(message or "the request was withdrawn")
-            self._send()
             try:
-                first = await self._gen.__anext__()
+                try:
+                    self._send()
+                    first = await self._gen.__anext__()
+                except BaseException:
+                    self._gen = None  # that send is over: nothing to cancel
+                    raise
             except _REPLICA_FAILURES as e:
                 self._failures += 1
                 if self._failures >= self.client.max_attempts:
@@ -222,8 +226,7 @@ class RayRequestStream:
     def _send(self) -> None:
         """Send the request once more, cancelling any earlier send (its replica may be
         alive and still working on it); each send has an engine request id of its own."""
-        if self._gen is not None:
-            self._gen.cancel()
+        _cancel(self._gen)
         self._pending.clear()
         self._sends += 1
         sub = self.submission
@@ -297,8 +300,7 @@ class RayRequestStream:
         """End the stream here with an error event (the replica's request is cancelled)."""
         if not self.finished and self._forced is None:
             self._forced = RequestEvent(error=error, message=message)
-            if self._gen is not None:
-                self._gen.cancel()
+            _cancel(self._gen)
 
     def close(self, *, counted: bool = True) -> None:
         """Cancel the request on its replica (which aborts it in the engine)."""
@@ -308,8 +310,18 @@ class RayRequestStream:
 
     def _close_quietly(self) -> None:
         self.client._open.pop(self.request_id, None)
-        if self._gen is not None:
-            self._gen.cancel()  # a no-op for a send that has ended
+        _cancel(self._gen)
+
+
+def _cancel(gen: Any) -> None:
+    """Cancel a send, best effort: Ray's cancel re-raises the send's own routing error
+    (BackPressureError...) when it had one, which here means there is nothing to cancel."""
+    if gen is None:
+        return
+    try:
+        gen.cancel()
+    except Exception as e:
+        logger.debug("cancelling a send: %r", e)
 
 
 def _rejection(answer: object) -> Exception:

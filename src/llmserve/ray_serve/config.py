@@ -19,9 +19,9 @@ class RayServeConfig:
     router: str = "prefix-aware"
     cpus_per_replica: float = 1.0
     gpus_per_replica: float = 0.0
-    # Requests one replica takes at a time; more wait in the router. None: as many as its
-    # engine runs and queues (max_num_seqs + --max-queued-requests), so that a full
-    # deployment answers 429 as a single server does.
+    # Requests one replica takes at a time; more wait in the router (up to
+    # --max-queued-requests of them, then 429). None: as many as its engine runs and
+    # queues (max_num_seqs + --max-queued-requests).
     max_ongoing_requests: int | None = None
     min_replicas: int | None = None  # set (with max_replicas) to autoscale
     max_replicas: int | None = None

@@ -58,6 +58,8 @@ def build_application(engine_config: EngineConfig, config: ServerConfig,
     engine = serve.deployment(
         EngineReplica, name=ENGINE_DEPLOYMENT, **scaling,
         max_ongoing_requests=max_ongoing,
+        # Beyond what the replicas take, the router holds this many more; then 429.
+        max_queued_requests=config.max_queued_requests or -1,
         ray_actor_options={"num_cpus": ray_config.cpus_per_replica,
                            "num_gpus": ray_config.gpus_per_replica,
                            "runtime_env": {"env_vars": {"LLMSERVE_NUM_THREADS": str(threads)}}},

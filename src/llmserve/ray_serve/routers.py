@@ -135,9 +135,16 @@ class PrefixAwareRouter(_LLMRouter):
         order = prefix_aware(loads, self.index.match(prompt, by_id), self.index.sizes(),
                              imbalance_threshold=self.imbalance_threshold,
                              min_match=self.min_match_tokens)
-        return self._ranked(order, by_id, pending_request)
+        ranked = self._ranked(order, by_id, pending_request)
+        if ranked:
+            # Recorded at once, not when Ray reports the routing done: a request of the
+            # same tenant routed meanwhile then follows this one instead of seeding the
+            # prefix on a second replica.
+            self.index.insert(ranked[0][0].replica_id.unique_id, prompt)
+        return ranked
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
+        """Where it went (usually the replica ranked first, recorded already)."""
         prompt = _prompt_of(pending_request)
         if prompt is not None:
             self.index.insert(replica_id.unique_id, prompt)
