@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -84,31 +85,57 @@ def _wait_reports(predicate, timeout: float = 20.0) -> None:
         time.sleep(0.2)
 
 
+def _serve_cli(tiny_path: str, log_path, port: int, *args: str) -> subprocess.Popen:
+    """``llmserve serve --replicas ...`` in a process of its own, once /ready says 200."""
+    log = open(log_path, "w")  # noqa: SIM115  (lives as long as the process)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "llmserve.cli", "serve", "--model", tiny_path, "--port",
+         str(port), "--no-database", "--kv-cache-memory", "0.05", *args],
+        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    deadline = time.monotonic() + 180
+    while True:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"not ready: {Path(log_path).read_text()[-3000:]}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=1).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+
+
 def test_cli_replicas_serve_and_drain_on_sigterm(tiny_path, tmp_path):
     """``llmserve serve --replicas 2``: a local Ray cluster of its own; SIGTERM exits 0."""
     port = free_port()
-    log = open(tmp_path / "ray-cli.log", "w")  # noqa: SIM115
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "llmserve.cli", "serve", "--model", tiny_path, "--port",
-         str(port), "--replicas", "2", "--no-database", "--kv-cache-memory", "0.05"],
-        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    url = f"http://127.0.0.1:{port}"
+    proc = _serve_cli(tiny_path, tmp_path / "ray-cli.log", port, "--replicas", "2")
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None, (tmp_path / "ray-cli.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "not ready in 180 s"
-            try:
-                if httpx.get(f"{url}/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        r = openai.OpenAI(base_url=f"{url}/v1", api_key="x").chat.completions.create(
+        r = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x"
+                          ).chat.completions.create(
             model=tiny_path, messages=[{"role": "user", "content": "hello"}], max_tokens=5)
         assert r.usage.completion_tokens == 5
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(120) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_cli_on_an_existing_cluster_leaves_it_running(cluster, tiny_path, tmp_path):
+    """``--ray-address``: the application joins the cluster (served by its Serve proxy);
+    SIGTERM removes that application only: the cluster and Serve keep running."""
+    address = ray.get_runtime_context().gcs_address
+    port = int(cluster.rsplit(":", 1)[1])
+    proc = _serve_cli(tiny_path, tmp_path / "ray-cli-join.log", port, "--replicas", "1",
+                      "--ray-address", address)
+    try:
+        assert "llmserve" in serve.status().applications
+        r = openai.OpenAI(base_url=f"{cluster}/v1", api_key="x").completions.create(
+            model=tiny_path, prompt="joined", max_tokens=3)
+        assert r.usage.completion_tokens == 3
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(120) == 0
+        assert "llmserve" not in serve.status().applications  # gone, and Serve is up
     finally:
         if proc.poll() is None:
             proc.kill()

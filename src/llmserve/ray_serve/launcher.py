@@ -113,6 +113,10 @@ def start(engine_config: EngineConfig, config: ServerConfig,
     if not ray.is_initialized():
         _connect(ray_config)
     serve.start(http_options={"host": config.host, "port": config.port})
+    if ray_config.address is not None:
+        logger.info("on the existing Ray cluster at %s the application is served by its "
+                    "Serve HTTP proxy (--host/--port apply only if Serve was not running "
+                    "there yet)", ray_config.address)
     began = time.monotonic()
     serve.run(build_application(engine_config, config, ray_config),
               name=ray_config.app_name, route_prefix="/", blocking=False)
