@@ -67,8 +67,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model: str, tmp_path, *args: str, name: str = "server") -> LiveServer:
-    port = free_port()
+def start_server(model: str, tmp_path, *args: str, name: str = "server",
+                 port: int | None = None) -> LiveServer:
+    port = port or free_port()
     log_path = str(tmp_path / f"{name}-{port}.log")
     log = open(log_path, "w")  # noqa: SIM115  (lives as long as the process)
     cmd = [sys.executable, "-m", "llmserve.cli", "serve", "--model", model, "--port", str(port),

@@ -11,10 +11,7 @@ import asyncio
 import os
 import random
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import httpx
 import openai
@@ -22,7 +19,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from llmserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig
-from tests.e2e.conftest import free_port
+from tests.e2e.conftest import free_port, start_server
 
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
@@ -85,60 +82,32 @@ def _wait_reports(predicate, timeout: float = 20.0) -> None:
         time.sleep(0.2)
 
 
-def _serve_cli(tiny_path: str, log_path, port: int, *args: str) -> subprocess.Popen:
-    """``llmserve serve --replicas ...`` in a process of its own, once /ready says 200."""
-    log = open(log_path, "w")  # noqa: SIM115  (lives as long as the process)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "llmserve.cli", "serve", "--model", tiny_path, "--port",
-         str(port), "--no-database", "--kv-cache-memory", "0.05", *args],
-        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    deadline = time.monotonic() + 180
-    while True:
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise AssertionError(f"not ready: {Path(log_path).read_text()[-3000:]}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-
-
 def test_cli_replicas_serve_and_drain_on_sigterm(tiny_path, tmp_path):
     """``llmserve serve --replicas 2``: a local Ray cluster of its own; SIGTERM exits 0."""
-    port = free_port()
-    proc = _serve_cli(tiny_path, tmp_path / "ray-cli.log", port, "--replicas", "2")
+    server = start_server(tiny_path, tmp_path, "--replicas", "2", "--no-database",
+                          name="ray-cli")
     try:
-        r = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x"
-                          ).chat.completions.create(
+        r = openai.OpenAI(base_url=server.v1, api_key="x").chat.completions.create(
             model=tiny_path, messages=[{"role": "user", "content": "hello"}], max_tokens=5)
         assert r.usage.completion_tokens == 5
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(120) == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        assert server.stop() == 0
 
 
 def test_cli_on_an_existing_cluster_leaves_it_running(cluster, tiny_path, tmp_path):
     """``--ray-address``: the application joins the cluster (served by its Serve proxy);
     SIGTERM removes that application only: the cluster and Serve keep running."""
-    address = ray.get_runtime_context().gcs_address
-    port = int(cluster.rsplit(":", 1)[1])
-    proc = _serve_cli(tiny_path, tmp_path / "ray-cli-join.log", port, "--replicas", "1",
-                      "--ray-address", address)
+    server = start_server(tiny_path, tmp_path, "--replicas", "1", "--no-database",
+                          "--ray-address", ray.get_runtime_context().gcs_address,
+                          name="ray-cli-join", port=int(cluster.rsplit(":", 1)[1]))
     try:
         assert "llmserve" in serve.status().applications
-        r = openai.OpenAI(base_url=f"{cluster}/v1", api_key="x").completions.create(
+        r = openai.OpenAI(base_url=server.v1, api_key="x").completions.create(
             model=tiny_path, prompt="joined", max_tokens=3)
         assert r.usage.completion_tokens == 3
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(120) == 0
-        assert "llmserve" not in serve.status().applications  # gone, and Serve is up
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        assert server.stop() == 0
+    assert "llmserve" not in serve.status().applications  # gone, and Serve is up
 
 
 def test_two_replicas_serve_the_single_servers_api(cluster, tiny_path):

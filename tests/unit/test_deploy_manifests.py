@@ -187,16 +187,10 @@ def test_crd_schemas_are_closed_only_where_kubernetes_closes_them():
 
 def app_argv(args: dict[str, Any]) -> list[str]:
     """The `llmserve serve` command line of a Serve application's ``args``, as
-    llmserve.ray_serve.launcher.app_builder builds it (true: a flag; false, null: left
-    out)."""
-    argv: list[str] = []
-    for name, value in args.items():
-        option = "--" + str(name).replace("_", "-")
-        if value is True:
-            argv.append(option)
-        elif value not in (False, None):
-            argv += [option, str(value)]
-    return argv
+    llmserve.ray_serve.launcher.app_builder builds it."""
+    from llmserve.ray_serve.launcher import serve_argv
+
+    return serve_argv(args)
 
 
 @cache

@@ -88,19 +88,26 @@ def app_builder(args: dict[str, Any]) -> Any:
     Host and port are Serve's own (http_options) there."""
     from llmserve.cli import serve_configs
 
-    argv: list[str] = []
-    if "host" not in args and "allowed-hosts" not in args and "allowed_hosts" not in args:
+    argv = serve_argv(args)
+    if not {"host", "allowed-hosts", "allowed_hosts"} & set(args):
         argv += ["--allowed-hosts", "*"]  # Serve's proxy listens where http_options say
+    engine_config, config, ray_config = serve_configs(argv)
+    if ray_config is None:
+        ray_config = RayServeConfig()
+    return build_application(engine_config, config, ray_config)
+
+
+def serve_argv(args: dict[str, Any]) -> list[str]:
+    """The ``llmserve serve`` command line of a Serve application's ``args``: each name as
+    an option (underscores as dashes); true: a flag; false or null: left out."""
+    argv: list[str] = []
     for name, value in args.items():
         option = "--" + str(name).replace("_", "-")
         if value is True:
             argv.append(option)
         elif value not in (False, None):
             argv += [option, str(value)]
-    engine_config, config, ray_config = serve_configs(argv)
-    if ray_config is None:
-        ray_config = RayServeConfig()
-    return build_application(engine_config, config, ray_config)
+    return argv
 
 
 def start(engine_config: EngineConfig, config: ServerConfig,
