@@ -15,7 +15,9 @@ Failures cost only the requests they touch:
   the replica gets a strike: three within 30 s open its circuit breaker (reports.py);
 - a replica whose engine is restarting answers "unavailable" and the request is sent
   again (the routers skip that replica once its next report says so), for up to
-  ``unavailable_patience`` seconds before the client gets 503.
+  ``unavailable_patience`` seconds before the client gets 503;
+- a replica whose queue is full answers "queue_full": the other replicas are tried, and
+  when every one is full (or Ray's router queue is), the client gets 429.
 """
 
 from __future__ import annotations
