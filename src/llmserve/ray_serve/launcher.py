@@ -83,9 +83,9 @@ def build_application(engine_config: EngineConfig, config: ServerConfig,
 def app_builder(args: dict[str, Any]) -> Any:
     """The application for Ray Serve's config files (``serve run``/``serve deploy``, a
     KubeRay RayService): ``import_path: llmserve.ray_serve.launcher:app_builder`` with
-    ``args`` holding ``llmserve serve`` options by name, e.g. ``{"model": "smollm2",
-    "replicas": 2, "router": "prefix-aware", "no-database": true}`` (true: a flag).
-    Host and port are Serve's own (http_options) there."""
+    ``args`` holding ``llmserve serve`` options by name, e.g. ``{"model":
+    "smollm2-135m-instruct", "replicas": 2, "router": "prefix-aware", "no-database":
+    true}`` (true: a flag). Host and port are Serve's own (http_options) there."""
     from llmserve.cli import serve_configs
 
     argv = serve_argv(args)
