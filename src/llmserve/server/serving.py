@@ -111,14 +111,18 @@ def validate_prompts(engine: AsyncLLM, job: Job) -> int:
     for _, ids in job.prompts:
         try:
             max_tokens = engine.validate(ids, job.params)
-        except ContextLengthError as e:
-            raise bad_request(f"This model's maximum context length is {engine.max_model_len} "
-                              f"tokens: {e}", param="max_tokens",
-                              code="context_length_exceeded") from None
         except ValueError as e:
-            raise bad_request(str(e), param=param_of(str(e))) from None
+            raise _invalid(engine, e) from None
         most += (len(ids) + max_tokens) * job.params.n
     return most
+
+
+def _invalid(engine: AsyncLLM, e: ValueError) -> APIError:
+    """The 400 for a request the engine cannot serve (OpenAI's code for a context overrun)."""
+    if isinstance(e, ContextLengthError):
+        return bad_request(f"This model's maximum context length is {engine.max_model_len} "
+                           f"tokens: {e}", param="max_tokens", code="context_length_exceeded")
+    return bad_request(str(e), param=param_of(str(e)))
 
 
 async def _submit_all(engine: AsyncLLM, job: Job) -> list[RequestStream]:
@@ -137,12 +141,8 @@ async def _submit_all(engine: AsyncLLM, job: Job) -> list[RequestStream]:
         if isinstance(e, QueueFullError):
             raise APIError(429, str(e), type="rate_limit_error", code="queue_full",
                            headers={"Retry-After": str(e.retry_after)}) from None
-        if isinstance(e, ContextLengthError):
-            raise bad_request(f"This model's maximum context length is "
-                              f"{engine.max_model_len} tokens: {e}", param="max_tokens",
-                              code="context_length_exceeded") from None
         if isinstance(e, ValueError):
-            raise bad_request(str(e), param=param_of(str(e))) from None
+            raise _invalid(engine, e) from None
         raise
     return streams
 
