@@ -162,6 +162,15 @@ class EngineHealth:
     engine_pid: int | None
 
 
+def estimated_waiting(engine_waiting: int, in_transit: int, max_num_seqs: int,
+                      engine_running: int) -> int:
+    """Requests that will wait in the engine's queue: those it reported waiting, plus those
+    sent since its report beyond its free running slots (a burst into an idle engine is not
+    a queue). An engine with requests waiting has no free slot (its KV cache is full)."""
+    free = 0 if engine_waiting else max(0, max_num_seqs - engine_running)
+    return engine_waiting + max(0, in_transit - free)
+
+
 class AsyncLLM:
     def __init__(self, config: EngineConfig, tokenizer: Tokenizer, *,
                  max_queued_requests: int | None = None, max_queued_tokens: int | None = None,
@@ -369,7 +378,10 @@ class AsyncLLM:
             self._proc.send(AbortRequest(request_id, index, stopped))
 
     def _admit(self, prompt_tokens: int) -> None:
-        waiting = self._engine_waiting + self._sent - self._engine_added
+        stats = self.last_stats
+        waiting = estimated_waiting(self._engine_waiting, self._sent - self._engine_added,
+                                    self.config.scheduler.max_num_seqs,
+                                    stats.num_running if stats is not None else 0)
         waiting_tokens = (self._engine_waiting_tokens + self._sent_tokens
                           - self._engine_added_tokens)
         if self.max_queued_requests is not None and waiting >= self.max_queued_requests:
