@@ -1,10 +1,10 @@
 """The compiled int4 and w8a8 matrix products alone, on SmolLM2-135M's four projection
-shapes (qkv, o, gate/up, down) x 30 layers, random weights, at 1, 8 and 64 rows: the part of
-a decode step where the two formats differ. Both kernels alternate in one process; each
+shapes (qkv, o, gate/up, down) x 30 layers, random weights, at 1, 8 and 64 rows (--rows):
+the part of a decode step where the two formats differ. Both kernels alternate in one process; each
 figure is the median of --repeats passes (weights warm in cache, as after the first layer
 of a step).
 
-    .venv/bin/python benchmarks/int4_vs_w8a8_matmul.py [--repeats 7]
+    .venv/bin/python benchmarks/int4_vs_w8a8_matmul.py [--repeats 7] [--rows 1,5,8,64]
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ LAYERS = 30
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--rows", default="1,8,64", help="comma-separated row counts")
     args = p.parse_args()
     ops = cpu_ops()
     if ops is None or not ops.int_kernels:
@@ -48,7 +49,7 @@ def main() -> None:
         calls["w8a8"].append((k, lambda x, a=(packed8, excess, padded, n, 1, group):
                               ops.int8_linear(x, *a)))
     print("| rows | int4 ms (30 layers) | w8a8 ms | int4 / w8a8 |\n|---|---|---|---|")
-    for m in (1, 8, 64):
+    for m in (int(r) for r in args.rows.split(",")):
         xs = {k: torch.randn(m, k, generator=gen) for k in (576, 1536)}
         times: dict[str, list[float]] = {"int4": [], "w8a8": []}
         for _ in range(args.repeats):

@@ -144,8 +144,8 @@ def test_int8_kernel_rejects_mismatched_shapes():
         ops.int8_linear(torch.randn(2, 32), packed, excess, torch.ones(64), 64, 1, 16)
 
 
-# (out, in, group); row counts below cover one tile (nibbles unpacked in registers) and
-# several (the panel unpacked once), with partial tiles.
+# (out, in, group); row counts below cover every tile size (one row: the whole panel at once;
+# 2 to 8 rows: half a panel at a time) and several balanced tiles (9: 5 + 4; 17: 6 + 6 + 5).
 INT4_SHAPES = [(100, 64, 32), (130, 256, 64), (64, 128, 128), (960, 576, 32), (576, 1536, 128)]
 
 
@@ -155,7 +155,7 @@ def test_int4_kernel_equals_reference_bitwise(n: int, k: int, group: int):
     b = quantize_groups(torch.randn(n, k, generator=gen) * 0.05, group)
     scale, zero = b.scale.half(), b.zero.half()
     packed, scale_zero = pack_int4(b.q, scale, zero)
-    for m in (0, 1, 2, 3, 4, 5, 7, 64):
+    for m in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 17, 64):
         x = _activations(m, k, gen)
         got = ops.int4_linear(x, packed, scale_zero, group, n)
         assert torch.equal(got, int4_reference(x, b.q, scale, zero)), f"{m} rows"

@@ -12,6 +12,11 @@
 // per row of earlier versions: half the integer products, at +0.44% perplexity on SmolLM2
 // against float32 weights from the same file (two levels: +0.21%; BENCHMARKS.md).
 //
+// Row tiles: a tile of T rows runs over a panel's groups, keeping its integer sums in
+// registers. The VNNI build reads a panel half at a time (two channel blocks: 2T sums, T up
+// to 8), unpacking each quad's nibbles in registers; one row reads all four blocks at once
+// (four independent sums in flight). Rows are split into balanced tiles (9 rows: 5 + 4).
+//
 // Packing, per panel of 64 output channels, in reading order:
 //   weights [in / 4][2][64] bytes: byte i of half h holds channel-block 2h's (low nibble) and
 //           2h+1's (high nibble) value for column i / 4, input channel 4 j + i % 4;
@@ -25,9 +30,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <cstring>
-#include <memory>
 #include <vector>
 
 #include "ops.h"
@@ -41,7 +44,7 @@ namespace {
 
 constexpr int kBlock = 16;       // output channels per block (one AVX-512 vector)
 constexpr int kPanel = 4;        // channel blocks per panel: 64 channels
-constexpr int kMaxTileRows = 4;  // activation rows per tile
+constexpr int kMaxTileRows = 8;  // activation rows per tile (a build may take fewer)
 constexpr int kActGroup = 32;    // inputs per activation scale
 
 // A tile's activations: codes [rows][k], and per row and group of kActGroup inputs the
@@ -53,20 +56,22 @@ struct Activations {
   int64_t k, groups;
 };
 
-// (activations, weight group, weights, scale_zero, y, y stride, columns, prefetch): weights
-// as packed, nibbles (prefetch: fetch ahead, the panel's first pass), or expanded to a byte
-// per value (the panel unpacked once for all its row tiles: expand_panel below).
-using TileFn = void (*)(const Activations&, int64_t, const uint8_t*, const uint16_t*, float*,
-                        int64_t, int64_t, bool);
-
-struct Tiles {
-  TileFn packed[kMaxTileRows + 1];
-  TileFn expanded[kMaxTileRows + 1];  // null where the build has no such tiles
-  void (*expand)(const uint8_t*, int64_t, uint8_t*);  // a panel's k / 4 quads to bytes
+// What a tile fetches besides its own reads: `first_pass` (the panel comes from memory: fetch
+// ahead of the reads), and `ahead_lines` 64-byte lines from `ahead` (its share of the next
+// panel its thread computes, into L2 while this panel computes from cache).
+struct Prefetch {
+  bool first_pass;
+  const uint8_t* ahead;
+  int64_t ahead_lines;
 };
 
-struct AlignedFree {
-  void operator()(uint8_t* p) const { std::free(p); }
+// (activations, weight group, weights as packed, scale_zero, y, y stride, columns, prefetch).
+using TileFn = void (*)(const Activations&, int64_t, const uint8_t*, const uint16_t*, float*,
+                        int64_t, int64_t, const Prefetch&);
+
+struct Tiles {
+  TileFn by_rows[kMaxTileRows + 1];  // by_rows[T]: a tile of T rows
+  int64_t max_rows;                  // the build's largest tile
 };
 
 // One group of kActGroup inputs to int8 codes: s = max(max|x| / 127, smallest normal float),
@@ -136,39 +141,31 @@ at::Tensor run_int4(const at::Tensor& x, const at::Tensor& packed, const at::Ten
       }
   });
 
-  const int64_t tiles = (m + kMaxTileRows - 1) / kMaxTileRows;
+  // Work items: (panel, tile of rows), panel-major, so that a thread runs the row tiles of one
+  // panel back to back while the panel sits in cache. A panel's first pass waits on memory;
+  // with two tiles or more a panel, each tile instead fetches its share of the thread's next
+  // panel into L2 while it computes (as int8_linear does).
+  const int64_t tiles = (m + kernels.max_rows - 1) / kernels.max_rows;
+  const int64_t panel_bytes = k * 32, panel_lines = panel_bytes / 64;
+  const bool spread = tiles >= 2;
+  const int64_t share_lines = (panel_lines + tiles - 1) / tiles;
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const auto* szp = reinterpret_cast<const uint16_t*>(scale_zero.data_ptr<at::Half>());
   float* yp = y.data_ptr<float>();
-  // With several row tiles a panel's nibbles are unpacked once, to bytes the tiles read as
-  // they are (the unpacking otherwise costs each tile 6 instructions a quad).
-  const bool expand = tiles > 1 && kernels.expand != nullptr;
   at::parallel_for(0, panels * tiles, 1, [&](int64_t b, int64_t e) {
-    std::unique_ptr<uint8_t, AlignedFree> bytes;
-    if (expand) {
-      bytes.reset(static_cast<uint8_t*>(std::aligned_alloc(64, static_cast<size_t>(k) * 64)));
-      TORCH_CHECK(bytes != nullptr, "int4_linear: no memory for an unpacked panel");
-    }
-    int64_t expanded_panel = -1;
     for (int64_t item = b; item < e; ++item) {
-      const int64_t p = item / tiles, t0 = (item % tiles) * kMaxTileRows;
-      const int64_t rows = std::min<int64_t>(kMaxTileRows, m - t0);
+      const int64_t p = item / tiles, t = item % tiles;
+      const int64_t t0 = t * m / tiles, rows = (t + 1) * m / tiles - t0;  // balanced
       const int64_t n0 = p * kPanel * kBlock;
+      const int64_t first_line = std::min(t * share_lines, panel_lines);
+      const Prefetch prefetch{
+          item == b || (t == 0 && !spread), wp + (p + 1) * panel_bytes + first_line * 64,
+          spread && (p + 1) * tiles < e ? std::min(share_lines, panel_lines - first_line) : 0};
       const Activations act{codes.data() + t0 * k, scales.data() + t0 * act_groups,
                             scaled_sums.data() + t0 * act_groups, k, act_groups};
-      const uint16_t* sz = szp + p * groups * 2 * kPanel * kBlock;
-      float* out = yp + t0 * n + n0;
-      const int64_t cols = std::min<int64_t>(kPanel * kBlock, n - n0);
-      if (expand) {
-        if (p != expanded_panel) {
-          kernels.expand(wp + p * k * 32, k / 4, bytes.get());
-          expanded_panel = p;
-        }
-        kernels.expanded[rows](act, group, bytes.get(), sz, out, n, cols, false);
-      } else {
-        kernels.packed[rows](act, group, wp + p * k * 32, sz, out, n, cols,
-                             t0 == 0 || item == b);
-      }
+      kernels.by_rows[rows](act, group, wp + p * panel_bytes,
+                            szp + p * groups * 2 * kPanel * kBlock, yp + t0 * n + n0, n,
+                            std::min<int64_t>(kPanel * kBlock, n - n0), prefetch);
     }
   });
   return y;
@@ -185,145 +182,88 @@ namespace {
 constexpr int kPrefetch = 2048;
 constexpr int kGroupQuads = kActGroup / 4;
 
-// One activation group (quads [j0, j0 + kGroupQuads)) for T rows: sums[t][c] = A (exact
-// int32). Its own function, not inlined, with the prefetch choice a template argument:
-// inside tile()'s group loop, or with the loop unswitched on a runtime flag, GCC copied half
-// of the accumulators through other registers around every vpdpbusd.
-template <int T, bool prefetch>
+// One activation group (quads [j0, j0 + kGroupQuads)) for T rows on C channel blocks of a
+// panel from `blocks` (C = 4: the whole panel; C = 2: half h, the low and high nibbles of its
+// 64 bytes a quad): sums[t C + c] = A (exact int32). Its own function, not inlined, with the
+// prefetch choice a template argument: inside the tile's group loop, or with the loop
+// unswitched on a runtime flag, GCC copied half of the accumulators through other registers
+// around every vpdpbusd.
+template <int T, int C, bool prefetch>
 __attribute__((noinline)) void group_dots(const int8_t* q, int64_t k, int64_t j0,
-                                          const uint8_t* weights, __m512i* sums) {
+                                          const uint8_t* blocks, __m512i* sums) {
+  static_assert(C == 2 || C == 4, "a half or a whole panel");
   const __m512i low = _mm512_set1_epi8(0x0F);
-  __m512i acc[T][kPanel];
-#pragma GCC unroll 4
+  __m512i acc[T][C];
+#pragma GCC unroll 8
   for (int r = 0; r < T; ++r)
 #pragma GCC unroll 4
-    for (int c = 0; c < kPanel; ++c) acc[r][c] = _mm512_setzero_si512();
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_si512();
 #pragma GCC unroll 8
   for (int64_t j = j0; j < j0 + kGroupQuads; ++j) {
-    const uint8_t* wj = weights + j * 128;
-    if constexpr (prefetch) {  // a panel's first pass, from memory; later ones find it cached
-      _mm_prefetch(reinterpret_cast<const char*>(wj) + kPrefetch, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(wj) + kPrefetch + 64, _MM_HINT_T0);
+    const uint8_t* wj = blocks + j * 128;
+    __m512i w[C];
+#pragma GCC unroll 2
+    for (int h = 0; h < C / 2; ++h) {
+      if constexpr (prefetch)  // a panel's first pass, from memory; later ones find it cached
+        _mm_prefetch(reinterpret_cast<const char*>(wj) + kPrefetch + 64 * h, _MM_HINT_T0);
+      const __m512i v = _mm512_load_si512(wj + 64 * h);
+      w[2 * h] = _mm512_and_si512(v, low);
+      w[2 * h + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
     }
-    const __m512i v0 = _mm512_load_si512(wj), v1 = _mm512_load_si512(wj + 64);
-    const __m512i w[kPanel] = {
-        _mm512_and_si512(v0, low), _mm512_and_si512(_mm512_srli_epi16(v0, 4), low),
-        _mm512_and_si512(v1, low), _mm512_and_si512(_mm512_srli_epi16(v1, 4), low)};
-    rows_times_weights<T, kPanel, true>(acc, reinterpret_cast<const uint8_t*>(q), k, j, w);
+    rows_times_weights<T, C, true>(acc, reinterpret_cast<const uint8_t*>(q), k, j, w);
   }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
   for (int t = 0; t < T; ++t)
 #pragma GCC unroll 4
-    for (int c = 0; c < kPanel; ++c) sums[t * kPanel + c] = acc[t][c];
+    for (int c = 0; c < C; ++c) sums[t * C + c] = acc[t][c];
 }
 
-// A panel's quads of nibbles as bytes: quad j's four vectors (channel blocks 0..3) at
-// out + 256 j, as group_dots unpacks them in registers. With several row tiles per panel
-// this is done once, not by each tile (6 instructions a quad).
-void expand_panel(const uint8_t* weights, int64_t quads, uint8_t* out) {
-  const __m512i low = _mm512_set1_epi8(0x0F);
-  for (int64_t j = 0; j < quads; ++j) {
-    const __m512i v0 = _mm512_load_si512(weights + j * 128);
-    const __m512i v1 = _mm512_load_si512(weights + j * 128 + 64);
-    uint8_t* o = out + j * 256;
-    _mm512_store_si512(o, _mm512_and_si512(v0, low));
-    _mm512_store_si512(o + 64, _mm512_and_si512(_mm512_srli_epi16(v0, 4), low));
-    _mm512_store_si512(o + 128, _mm512_and_si512(v1, low));
-    _mm512_store_si512(o + 192, _mm512_and_si512(_mm512_srli_epi16(v1, 4), low));
-  }
-}
-
-// T rows on a panel as packed (the nibbles unpacked in registers), a panel's only row tile.
-template <int T>
+// T rows on a panel as packed, C channel blocks at a time (the nibbles unpacked in
+// registers): one row takes the four blocks at once (four sums in flight), 2 to 8 rows a
+// half panel (2T sums in registers).
+template <int T, int C = T == 1 ? 4 : 2>
 void tile(const Activations& act, int64_t group, const uint8_t* weights,
-          const uint16_t* scale_zero, float* y, int64_t y_stride, int64_t cols, bool prefetch) {
+          const uint16_t* scale_zero, float* y, int64_t y_stride, int64_t cols,
+          const Prefetch& prefetch) {
   const int64_t per_group = group / kActGroup;
+  const int64_t ahead_per_step = (prefetch.ahead_lines + act.groups * (kPanel / C) - 1) /
+                                 (act.groups * (kPanel / C));
+  int64_t ahead = 0;
   alignas(64) float out[T][kPanel * kBlock] = {};
-  alignas(64) __m512i sums[T * kPanel];
+  alignas(64) __m512i sums[T * C];
   for (int64_t a = 0; a < act.groups; ++a) {
-    (prefetch ? group_dots<T, true> : group_dots<T, false>)(act.codes, act.k, a * kGroupQuads,
-                                                           weights, sums);
     const uint16_t* sz = scale_zero + (a / per_group) * 2 * kPanel * kBlock;
+    for (int c0 = 0; c0 < kPanel; c0 += C) {
+      for (const int64_t end = std::min(ahead + ahead_per_step, prefetch.ahead_lines);
+           ahead < end; ++ahead)
+        _mm_prefetch(reinterpret_cast<const char*>(prefetch.ahead) + 64 * ahead, _MM_HINT_T1);
+      (prefetch.first_pass ? group_dots<T, C, true> : group_dots<T, C, false>)(
+          act.codes, act.k, a * kGroupQuads, weights + 32 * c0, sums);
 #pragma GCC unroll 4
-    for (int c = 0; c < kPanel; ++c) {
-      const __m512 scale = _mm512_cvtph_ps(
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sz + c * kBlock)));
-      const __m512 zero = _mm512_cvtph_ps(_mm256_loadu_si256(
-          reinterpret_cast<const __m256i*>(sz + (kPanel + c) * kBlock)));
-#pragma GCC unroll 4
-      for (int t = 0; t < T; ++t) {
-        const int64_t i = t * act.groups + a;
-        float* o = out[t] + c * kBlock;
-        const __m512 sa = _mm512_mul_ps(scale, _mm512_set1_ps(act.scales[i]));
-        __m512 v = _mm512_add_ps(_mm512_load_ps(o),
-                                 _mm512_mul_ps(sa, _mm512_cvtepi32_ps(sums[t * kPanel + c])));
-        v = _mm512_add_ps(v, _mm512_mul_ps(zero, _mm512_set1_ps(act.scaled_sums[i])));
-        _mm512_store_ps(o, v);
+      for (int cc = 0; cc < C; ++cc) {
+        const int c = c0 + cc;
+        const __m512 scale = _mm512_cvtph_ps(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sz + c * kBlock)));
+        const __m512 zero = _mm512_cvtph_ps(_mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(sz + (kPanel + c) * kBlock)));
+#pragma GCC unroll 8
+        for (int t = 0; t < T; ++t) {
+          const int64_t i = t * act.groups + a;
+          float* o = out[t] + c * kBlock;
+          const __m512 sa = _mm512_mul_ps(scale, _mm512_set1_ps(act.scales[i]));
+          __m512 v = _mm512_add_ps(_mm512_load_ps(o),
+                                   _mm512_mul_ps(sa, _mm512_cvtepi32_ps(sums[t * C + cc])));
+          v = _mm512_add_ps(v, _mm512_mul_ps(zero, _mm512_set1_ps(act.scaled_sums[i])));
+          _mm512_store_ps(o, v);
+        }
       }
     }
   }
   for (int t = 0; t < T; ++t) std::memcpy(y + t * y_stride, out[t], cols * sizeof(float));
 }
 
-// T rows on an expanded panel, 32 channels at a time: the integer sums and the float
-// outputs of a half panel stay in registers for the whole row (4T + 3 vectors).
-template <int T>
-void expanded_tile(const Activations& act, int64_t group, const uint8_t* weights,
-                   const uint16_t* scale_zero, float* y, int64_t y_stride, int64_t cols,
-                   bool /*prefetch*/) {
-  constexpr int kHalf = kPanel / 2;
-  const int64_t per_group = group / kActGroup, k = act.k;
-  const auto* codes = reinterpret_cast<const uint8_t*>(act.codes);
-  for (int h = 0; h < 2 && h * kHalf * kBlock < cols; ++h) {
-    __m512 out[T][kHalf];
-#pragma GCC unroll 4
-    for (int t = 0; t < T; ++t)
-#pragma GCC unroll 2
-      for (int c = 0; c < kHalf; ++c) out[t][c] = _mm512_setzero_ps();
-    for (int64_t a = 0; a < act.groups; ++a) {
-      __m512i acc[T][kHalf];
-#pragma GCC unroll 4
-      for (int t = 0; t < T; ++t)
-#pragma GCC unroll 2
-        for (int c = 0; c < kHalf; ++c) acc[t][c] = _mm512_setzero_si512();
-#pragma GCC unroll 8
-      for (int64_t j = a * kGroupQuads; j < (a + 1) * kGroupQuads; ++j) {
-        const uint8_t* wj = weights + j * 256 + h * 128;
-        const __m512i w[kHalf] = {_mm512_load_si512(wj), _mm512_load_si512(wj + 64)};
-        rows_times_weights<T, kHalf, true>(acc, codes, k, j, w);
-      }
-      const uint16_t* sz = scale_zero + (a / per_group) * 2 * kPanel * kBlock;
-#pragma GCC unroll 2
-      for (int c = 0; c < kHalf; ++c) {
-        const int cc = h * kHalf + c;
-        const __m512 scale = _mm512_cvtph_ps(
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sz + cc * kBlock)));
-        const __m512 zero = _mm512_cvtph_ps(_mm256_loadu_si256(
-            reinterpret_cast<const __m256i*>(sz + (kPanel + cc) * kBlock)));
-#pragma GCC unroll 4
-        for (int t = 0; t < T; ++t) {
-          const int64_t i = t * act.groups + a;
-          const __m512 sa = _mm512_mul_ps(scale, _mm512_set1_ps(act.scales[i]));
-          out[t][c] = _mm512_add_ps(out[t][c], _mm512_mul_ps(sa, _mm512_cvtepi32_ps(acc[t][c])));
-          out[t][c] = _mm512_add_ps(
-              out[t][c], _mm512_mul_ps(zero, _mm512_set1_ps(act.scaled_sums[i])));
-        }
-      }
-    }
-    alignas(64) float row[kHalf * kBlock];
-    const int64_t width = std::min<int64_t>(kHalf * kBlock, cols - h * kHalf * kBlock);
-    for (int t = 0; t < T; ++t) {
-#pragma GCC unroll 2
-      for (int c = 0; c < kHalf; ++c) _mm512_store_ps(row + c * kBlock, out[t][c]);
-      std::memcpy(y + t * y_stride + h * kHalf * kBlock, row, width * sizeof(float));
-    }
-  }
-}
-
 constexpr Tiles kTiles = {
-    {nullptr, tile<1>, tile<2>, tile<3>, tile<4>},
-    {nullptr, expanded_tile<1>, expanded_tile<2>, expanded_tile<3>, expanded_tile<4>},
-    expand_panel};
+    {nullptr, tile<1>, tile<2>, tile<3>, tile<4>, tile<5>, tile<6>, tile<7>, tile<8>}, 8};
 
 }  // namespace
 
@@ -397,7 +337,7 @@ void block_of_tile(const Activations& act, int64_t group, const uint8_t* weights
 template <int T>
 void tile(const Activations& act, int64_t group, const uint8_t* weights,
           const uint16_t* scale_zero, float* y, int64_t y_stride, int64_t cols,
-          bool /*prefetch*/) {
+          const Prefetch& /*prefetch*/) {
   alignas(32) float out[T][kBlock];
   for (int c = 0; c < kPanel && c * kBlock < cols; ++c) {
     block_of_tile<T>(act, group, weights, scale_zero, c, out);
@@ -407,8 +347,7 @@ void tile(const Activations& act, int64_t group, const uint8_t* weights,
   }
 }
 
-constexpr Tiles kTiles = {
-    {nullptr, tile<1>, tile<2>, tile<3>, tile<4>}, {}, nullptr};  // reads the nibbles
+constexpr Tiles kTiles = {{nullptr, tile<1>, tile<2>, tile<3>, tile<4>}, 4};
 
 }  // namespace
 
