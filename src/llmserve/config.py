@@ -83,15 +83,16 @@ class SchedulerConfig:
             raise ValueError(f"policy must be one of {SCHEDULING_POLICIES}, got {self.policy!r}")
 
 
-SPECULATIVE_METHODS = ("ngram", "draft")
+SPECULATIVE_METHODS = ("ngram", "suffix", "draft")
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """Speculative decoding, named like vLLM's ``--speculative-config`` JSON.
 
-    method: ``ngram`` (prompt lookup over the request's own tokens) or ``draft`` (a smaller
-        model with the same vocabulary proposes greedily).
+    method: ``ngram`` (prompt lookup over the request's own tokens), ``suffix`` (the same,
+        then over the tokens of recent requests) or ``draft`` (a smaller model with the same
+        vocabulary proposes greedily).
     num_speculative_tokens: most draft tokens a request verifies per step (the planner may
         use fewer, or none when the batch is busy).
     prompt_lookup_min / prompt_lookup_max: n-gram lengths matched against the history.
@@ -99,6 +100,8 @@ class SpeculativeConfig:
     draft_num_layers: run only the first layers of the draft model (``draft``; a
         layer-truncated copy of the target makes a draft where no smaller sibling exists).
     quantization: the draft model's weight format (default: what its file holds).
+    suffix_decoding_max_cached_requests: recent requests whose tokens ``suffix`` matches
+        against (vLLM's name).
     """
 
     method: str = "ngram"
@@ -108,6 +111,7 @@ class SpeculativeConfig:
     model: str | None = None
     draft_num_layers: int | None = None
     quantization: str = "auto"
+    suffix_decoding_max_cached_requests: int = 256
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -125,6 +129,10 @@ class SpeculativeConfig:
             raise ValueError('speculative method "draft" needs "model": the draft model')
         if self.method != "draft" and (self.model or self.draft_num_layers):
             raise ValueError('"model" and "draft_num_layers" apply to method "draft" only')
+        cached = self.suffix_decoding_max_cached_requests
+        if not isinstance(cached, int) or isinstance(cached, bool) or cached < 1:
+            raise ValueError("suffix_decoding_max_cached_requests must be a positive integer, "
+                             f"got {cached!r}")
         if self.draft_num_layers is not None and (
                 not isinstance(self.draft_num_layers, int) or self.draft_num_layers < 1):
             raise ValueError(f"draft_num_layers must be a positive integer, "

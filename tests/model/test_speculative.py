@@ -53,7 +53,7 @@ def _workload(n: int = 50):
     return prompts, [_params(rng, i) for i in range(n)]
 
 
-def _run(model, prompts, params, speculative, alone: bool, **kw):
+def _run(model, prompts, params, speculative, alone: bool, inspect=None, **kw):
     llm = LLM(str(model), max_model_len=512, num_kv_blocks=512, speculative_config=speculative,
               **kw)
     if llm.engine.speculator is not None:
@@ -64,6 +64,8 @@ def _run(model, prompts, params, speculative, alone: bool, **kw):
         outs = llm.generate(prompts, params)
     llm.engine.kv_manager.check_integrity()
     assert llm.engine.stats().kv_blocks_used == 0
+    if inspect is not None:
+        inspect(llm)
     result = [[(c.token_ids, c.text, c.finish_reason,
                 None if c.logprobs is None else [{t: round(lp.logprob, 4) for t, lp in d.items()}
                                                  for d in c.logprobs])
@@ -97,6 +99,26 @@ def test_output_identical_with_and_without_speculation(tiny_model_dir, fmt):
     alone, stats = _run(path, prompts, params, NGRAM, alone=True, **fmt)
     assert stats.spec_accepted_tokens > 0
     assert alone == reference
+
+
+def test_suffix_output_identical_with_drafts_from_other_requests(tiny_model_dir):
+    """``suffix``: drafts from the request's own history and from requests that ended
+    before it; the output is still the reference's, alone and batched."""
+    path, _ = tiny_model_dir("llama-gqa")
+    prompts, params = _workload()
+    reference = _reference(path, {})
+    config = {**NGRAM, "method": "suffix"}
+    hits: list[int] = []
+
+    def shared_hits(llm) -> None:
+        hits.append(llm.engine.speculator.proposer.shared.hits)
+
+    alone, stats = _run(path, prompts, params, config, alone=True, inspect=shared_hits)
+    assert stats.spec_accepted_tokens > 0 and hits[-1] > 0  # other requests' tokens drafted
+    assert alone == reference
+    batched, _ = _run(path, prompts, params, config, alone=False, inspect=shared_hits,
+                      max_num_batched_tokens=96, max_num_seqs=16)
+    assert batched == reference
 
 
 def test_stop_strings_cut_an_accepted_run(tiny_model_dir):

@@ -20,6 +20,7 @@ from llmserve.sampling_params import SamplingParams
 from llmserve.scheduler.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from llmserve.spec_decode import NgramProposer, Speculator, StepCost, ngram_propose, plan_drafts
 from llmserve.spec_decode.planner import ArmStats, batch_bucket, guard_allows
+from llmserve.spec_decode.suffix import SharedHistory, SuffixProposer, suffix_propose
 from tests.unit.test_sampling_distribution import CHI2_CRIT_0001
 from tests.unit.test_scheduler import make, req
 
@@ -55,6 +56,75 @@ def test_ngram_prefers_the_longest_match():
     assert ngram_propose(np.array(tokens), 2, 3, 2) == [9, 5]  # "1 2 3" -> 9, not "2 3" -> 7
     assert ngram_propose(np.array(tokens), 2, 2, 2) == [7, 1]  # only bigrams: latest "2 3"
     assert ngram_propose(np.array([4, 5, 6]), 1, 3, 4) == []
+
+
+# ---- the suffix proposer: the request's own history, then recent requests' ----------------
+
+
+def _suffix_reference(tokens: list[int], shared: list[list[int]], min_n: int, max_n: int,
+                      k: int) -> list[int]:
+    """For n from max to min: the request's own latest earlier match, else the latest match
+    in the shared sequences (the newest sequence first, its latest position first)."""
+    for n in range(max_n, min_n - 1, -1):
+        if n >= len(tokens):
+            continue
+        own = _ngram_reference(tokens, n, n, k)
+        if own:
+            return own
+        suffix = tokens[-n:]
+        for seq in reversed(shared):
+            for start in range(len(seq) - n - 1, -1, -1):
+                if seq[start:start + n] == suffix:
+                    return seq[start + n:start + n + k]
+    return []
+
+
+def test_suffix_matches_a_brute_force_search():
+    rng = random.Random(1)
+    for _ in range(1500):
+        alphabet = rng.randint(2, 8)
+        lo = rng.randint(1, 3)
+        hi = rng.randint(lo, 5)
+        limit = rng.randint(1, 4)
+        history = SharedHistory(lo, hi, limit)
+        sequences = [[rng.randrange(alphabet) for _ in range(rng.randint(0, 30))]
+                     for _ in range(rng.randint(0, 6))]
+        for seq in sequences:
+            history.add(np.array(seq, dtype=np.int64))
+        kept = [seq for seq in sequences if len(seq) > lo][-limit:]  # the newest `limit`
+        assert len(history) == len(kept)
+        tokens = [rng.randrange(alphabet) for _ in range(rng.randint(1, 30))]
+        k = rng.randint(1, 5)
+        got = suffix_propose(np.array(tokens), history, k)
+        assert got == _suffix_reference(tokens, kept, lo, hi, k), (tokens, kept, lo, hi, k)
+
+
+class _Req:
+    def __init__(self, rid: str, tokens: list[int]) -> None:
+        self.request_id, self.all_token_ids = rid, tokens
+
+
+def test_suffix_proposer_learns_from_ended_requests_until_reset():
+    proposer = SuffixProposer(2, 4, max_cached_requests=2)
+    answer = [5, 6, 7, 8, 9, 10, 11]
+    first = _Req("a", [1, 2, 3, *answer])
+    assert proposer.propose([first], [4]) == [[]]  # its own history holds no repeat
+    proposer.free("a")  # ended: its tokens join the shared history
+    second = _Req("b", [40, 41, 5, 6])  # another request starts the same answer
+    assert proposer.propose([second], [4]) == [[7, 8, 9, 10]]
+    assert proposer.shared.hits == 1
+    proposer.free("b")
+    proposer.free("never-proposed-for")  # nothing to add
+    assert len(proposer.shared) == 2
+    proposer.reset()  # with the prefix cache
+    assert len(proposer.shared) == 0
+    assert proposer.propose([_Req("c", [40, 41, 5, 6])], [4]) == [[]]
+    # the oldest request leaves the shared history past max_cached_requests
+    for i, seq in enumerate(([1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12])):
+        proposer.propose([_Req(f"r{i}", seq)], [1])
+        proposer.free(f"r{i}")
+    assert proposer.propose([_Req("d", [0, 1, 2])], [2]) == [[]]
+    assert proposer.propose([_Req("e", [0, 9, 10])], [2]) == [[11, 12]]
 
 
 # ---- the planner --------------------------------------------------------------------------
@@ -216,6 +286,8 @@ def test_speculative_config_from_json_names_what_is_wrong():
                         ('{"num_speculative_tokens": 0}', "[1, 16]"),
                         ('{"prompt_lookup_min": 5, "prompt_lookup_max": 2}', "min <= max"),
                         ('{"method": "draft"}', 'needs "model"'),
+                        ('{"method": "suffix", "suffix_decoding_max_cached_requests": 0}',
+                         "positive integer"),
                         ('{"num_speculative_token": 4}', "unknown speculative config keys"),
                         ("[1]", "JSON object"), ("{", "not valid JSON")]:
         with pytest.raises(ValueError) as e:

@@ -217,6 +217,8 @@ class EngineCore:
         returns the blocks forgotten. Raises RuntimeError while requests run."""
         if self.has_unfinished():
             raise RuntimeError(f"{len(self.scheduler.requests)} requests are running")
+        if self.speculator is not None:
+            self.speculator.reset()  # the suffix method's shared history, a cache as well
         return self.kv_manager.reset_prefix_cache()
 
     def waiting_tokens(self) -> int:

@@ -119,6 +119,9 @@ class DraftProposer:
         if seq is not None:
             self._free.extend(reversed(seq.blocks))
 
+    def reset(self) -> None:
+        pass  # its KV cache holds running requests only: nothing shared to forget
+
     # ---- internals -----------------------------------------------------------------------
 
     def _time_step(self) -> float:

@@ -51,3 +51,6 @@ class NgramProposer:
 
     def free(self, request_id: str) -> None:
         self._tokens.pop(request_id, None)
+
+    def reset(self) -> None:
+        pass  # nothing shared between requests

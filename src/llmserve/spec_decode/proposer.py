@@ -36,10 +36,18 @@ class Proposer(Protocol):
 
     def free(self, request_id: str) -> None: ...
 
+    def reset(self) -> None:
+        """Forget what is shared between requests (with the prefix cache)."""
+
 
 def build_proposer(config: SpeculativeConfig, **draft_kwargs) -> Proposer:
     if config.method == "ngram":
         return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+    if config.method == "suffix":
+        from llmserve.spec_decode.suffix import SuffixProposer
+
+        return SuffixProposer(config.prompt_lookup_min, config.prompt_lookup_max,
+                              config.suffix_decoding_max_cached_requests)
     from llmserve.spec_decode.draft import DraftProposer
 
     return DraftProposer(config, **draft_kwargs)
@@ -134,3 +142,6 @@ class Speculator:
 
     def free(self, request_id: str) -> None:
         self.proposer.free(request_id)
+
+    def reset(self) -> None:
+        self.proposer.reset()
