@@ -1,8 +1,8 @@
 """The compiled int4 and w8a8 matrix products alone, on SmolLM2-135M's four projection
 shapes (qkv, o, gate/up, down) x 30 layers, random weights, at 1, 8 and 64 rows (--rows):
-the part of a decode step where the two formats differ. Both kernels alternate in one process; each
-figure is the median of --repeats passes (weights warm in cache, as after the first layer
-of a step).
+the part of a decode step where the two formats differ. Both kernels alternate in one
+process; each figure is the median of --repeats passes (weights warm in cache; with
+--cold, 30 distinct copies, read from memory as in a decode step).
 
     .venv/bin/python benchmarks/int4_vs_w8a8_matmul.py [--repeats 7] [--rows 1,5,8,64]
 """
@@ -30,13 +30,15 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--rows", default="1,8,64", help="comma-separated row counts")
+    p.add_argument("--cold", action="store_true",
+                   help="30 distinct copies of the weights (read from memory, as in a step)")
     args = p.parse_args()
     ops = cpu_ops()
     if ops is None or not ops.int_kernels:
         raise SystemExit("needs the compiled integer kernels (AVX-512 VNNI or AVX2)")
     gen = torch.Generator().manual_seed(0)
     calls = {"int4": [], "w8a8": []}
-    for n, k in SHAPES:
+    for n, k in SHAPES * (LAYERS if args.cold else 1):
         w = torch.randn(n, k, generator=gen) * 0.05
         b = quantize_groups(w, 32)
         packed, scale_zero = pack_int4(b.q, b.scale.half(), b.zero.half())
@@ -55,7 +57,7 @@ def main() -> None:
         for _ in range(args.repeats):
             for fmt, layer_calls in calls.items():
                 start = time.perf_counter()
-                for _ in range(LAYERS):
+                for _ in range(1 if args.cold else LAYERS):
                     for k, call in layer_calls:
                         call(xs[k])
                 times[fmt].append((time.perf_counter() - start) * 1e3)

@@ -1,10 +1,11 @@
 """Speculative decoding on and off, through the server, at several concurrency levels.
 
-Two `llmserve serve` processes with the same arguments, one with --speculative-config, are
-started alike and kept up side by side (an idle server costs no CPU); each level runs the
-same requests on both (a fresh seed per level), each run after POST /reset_prefix_cache,
---repeats times, alternating which server goes first (off, on, then on, off) so that a
-drift of the machine's speed cancels; the ratio is of all repeats' tokens over their time.
+Two `llmserve serve` processes with the same arguments, one with --speculative-config (the
+other with --baseline-config, or none), are started alike and kept up side by side (an
+idle server costs no CPU); each level runs the same requests on both (a fresh seed per
+level), each run after POST /reset_prefix_cache, --repeats times, alternating which server
+goes first (off, on, then on, off) so that a drift of the machine's speed cancels; the
+ratio is of all repeats' tokens over their time.
 Printed per workload and level: output tokens/s off and on and their ratio, TPOT p50, and
 from the server's counters the acceptance rate (accepted / draft tokens) and the mean
 accepted length (tokens emitted per verifying step: 1 + accepted / drafts).
@@ -120,6 +121,9 @@ def main() -> None:
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--server-args", default="", help="extra `llmserve serve` arguments for both")
     p.add_argument("--speculative-config", default=DEFAULT_SPEC)
+    p.add_argument("--baseline-config", default=None, metavar="JSON",
+                   help="the 'off' server's --speculative-config (default: speculation off), "
+                        "to compare two methods in one run")
     p.add_argument("--workloads", default="grounded,random")
     p.add_argument("--levels", default="1,16,64")
     p.add_argument("--requests", default="12,32,64",
@@ -133,7 +137,8 @@ def main() -> None:
     levels = [int(x) for x in args.levels.split(",")]
     counts = [int(x) for x in args.requests.split(",")]
     log_dir = tempfile.mkdtemp(prefix="spec_bench_")
-    off, off_url = start(args, [], log_dir, "off")
+    baseline = ["--speculative-config", args.baseline_config] if args.baseline_config else []
+    off, off_url = start(args, baseline, log_dir, "off")
     on, on_url = start(args, ["--speculative-config", args.speculative_config], log_dir, "on")
     rows = []
     try:
@@ -153,6 +158,8 @@ def main() -> None:
         for proc in (off, on):
             proc.send_signal(signal.SIGTERM)
             proc.wait(60)
+    if args.baseline_config:
+        print(f"\n'off' below: the baseline config {args.baseline_config}", end="")
     print(f"\nspeculative config: {args.speculative_config}; server args: "
           f"{args.server_args or '(defaults)'}; logs in {log_dir}")
     print("| workload | streams | requests x repeats | off tok/s | on tok/s | on/off (per "
@@ -168,6 +175,7 @@ def main() -> None:
     if args.output:
         with open(args.output, "w") as f:
             json.dump({"speculative_config": args.speculative_config,
+                       "baseline_config": args.baseline_config,
                        "server_args": args.server_args, "rows": rows}, f, indent=1)
 
 
