@@ -13,9 +13,9 @@
 // against float32 weights from the same file (two levels: +0.21%; BENCHMARKS.md).
 //
 // Row tiles: a tile of T rows runs over a panel's groups, keeping its integer sums in
-// registers. The VNNI build reads a panel half at a time (two channel blocks: 2T sums, T up
-// to 8), unpacking each quad's nibbles in registers; one row reads all four blocks at once
-// (four independent sums in flight). Rows are split into balanced tiles (9 rows: 5 + 4).
+// registers and unpacking each quad's nibbles in registers. The VNNI build reads all four
+// channel blocks of a panel at once for up to 4 rows (4T sums), half a panel at a time for
+// 5 to 8 (2T sums). Rows are split into balanced tiles (9 rows: 5 + 4).
 //
 // Packing, per panel of 64 output channels, in reading order:
 //   weights [in / 4][2][64] bytes: byte i of half h holds channel-block 2h's (low nibble) and
@@ -219,9 +219,9 @@ __attribute__((noinline)) void group_dots(const int8_t* q, int64_t k, int64_t j0
 }
 
 // T rows on a panel as packed, C channel blocks at a time (the nibbles unpacked in
-// registers): one row takes the four blocks at once (four sums in flight), 2 to 8 rows a
-// half panel (2T sums in registers).
-template <int T, int C = T == 1 ? 4 : 2>
+// registers): up to 4 rows take the four blocks at once (4T sums in registers, each quad's
+// 128 bytes read together), 5 to 8 rows a half panel (2T sums).
+template <int T, int C = T <= 4 ? 4 : 2>
 void tile(const Activations& act, int64_t group, const uint8_t* weights,
           const uint16_t* scale_zero, float* y, int64_t y_stride, int64_t cols,
           const Prefetch& prefetch) {
