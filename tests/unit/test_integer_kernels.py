@@ -144,8 +144,8 @@ def test_int8_kernel_rejects_mismatched_shapes():
         ops.int8_linear(torch.randn(2, 32), packed, excess, torch.ones(64), 64, 1, 16)
 
 
-# (out, in, group); row counts below cover every tile size (up to 4 rows: the whole panel at once;
-# 5 to 8 rows: half a panel at a time) and several balanced tiles (9: 5 + 4; 17: 6 + 6 + 5).
+# (out, in, group); row counts below cover every tile size (up to 4 rows: one tile of the whole
+# panel; more: balanced tiles of up to 6 rows a half panel at a time: 5, 4 + 3, 5 + 4, 5 + 6 + 6).
 INT4_SHAPES = [(100, 64, 32), (130, 256, 64), (64, 128, 128), (960, 576, 32), (576, 1536, 128)]
 
 

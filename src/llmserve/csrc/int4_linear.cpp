@@ -13,9 +13,10 @@
 // against float32 weights from the same file (two levels: +0.21%; BENCHMARKS.md).
 //
 // Row tiles: a tile of T rows runs over a panel's groups, keeping its integer sums in
-// registers and unpacking each quad's nibbles in registers. The VNNI build reads all four
-// channel blocks of a panel at once for up to 4 rows (4T sums), half a panel at a time for
-// 5 to 8 (2T sums). Rows are split into balanced tiles (9 rows: 5 + 4).
+// registers and unpacking each quad's nibbles in registers. Up to 4 rows are the panel's
+// only tile and read its four channel blocks at once; more rows are split into balanced
+// tiles (5: 5; 8: 4 + 4; 9: 5 + 4), which in the VNNI build take up to 6 rows and run half
+// a panel at a time with their float outputs in registers too.
 //
 // Packing, per panel of 64 output channels, in reading order:
 //   weights [in / 4][2][64] bytes: byte i of half h holds channel-block 2h's (low nibble) and
@@ -44,7 +45,7 @@ namespace {
 
 constexpr int kBlock = 16;       // output channels per block (one AVX-512 vector)
 constexpr int kPanel = 4;        // channel blocks per panel: 64 channels
-constexpr int kMaxTileRows = 8;  // activation rows per tile (a build may take fewer)
+constexpr int kMaxTileRows = 6;  // activation rows per tile (a build may take fewer)
 constexpr int kActGroup = 32;    // inputs per activation scale
 
 // A tile's activations: codes [rows][k], and per row and group of kActGroup inputs the
@@ -69,9 +70,14 @@ struct Prefetch {
 using TileFn = void (*)(const Activations&, int64_t, const uint8_t*, const uint16_t*, float*,
                         int64_t, int64_t, const Prefetch&);
 
+// A call of up to kSingleTileRows rows runs one tile of its rows (`single`); more rows are
+// split into balanced tiles of up to `max_rows` (`by_rows`).
+constexpr int kSingleTileRows = 4;
+
 struct Tiles {
-  TileFn by_rows[kMaxTileRows + 1];  // by_rows[T]: a tile of T rows
-  int64_t max_rows;                  // the build's largest tile
+  TileFn single[kSingleTileRows + 1];  // single[T]: T rows, the panel's only tile
+  TileFn by_rows[kMaxTileRows + 1];    // by_rows[T]: a tile of T rows of many
+  int64_t max_rows;
 };
 
 // One group of kActGroup inputs to int8 codes: s = max(max|x| / 127, smallest normal float),
@@ -145,7 +151,9 @@ at::Tensor run_int4(const at::Tensor& x, const at::Tensor& packed, const at::Ten
   // panel back to back while the panel sits in cache. A panel's first pass waits on memory;
   // with two tiles or more a panel, each tile instead fetches its share of the thread's next
   // panel into L2 while it computes (as int8_linear does).
-  const int64_t tiles = (m + kernels.max_rows - 1) / kernels.max_rows;
+  const bool single = m <= kSingleTileRows;
+  const TileFn* by_rows = single ? kernels.single : kernels.by_rows;
+  const int64_t tiles = single ? 1 : (m + kernels.max_rows - 1) / kernels.max_rows;
   const int64_t panel_bytes = k * 32, panel_lines = panel_bytes / 64;
   const bool spread = tiles >= 2;
   const int64_t share_lines = (panel_lines + tiles - 1) / tiles;
@@ -163,7 +171,7 @@ at::Tensor run_int4(const at::Tensor& x, const at::Tensor& packed, const at::Ten
           spread && (p + 1) * tiles < e ? std::min(share_lines, panel_lines - first_line) : 0};
       const Activations act{codes.data() + t0 * k, scales.data() + t0 * act_groups,
                             scaled_sums.data() + t0 * act_groups, k, act_groups};
-      kernels.by_rows[rows](act, group, wp + p * panel_bytes,
+      by_rows[rows](act, group, wp + p * panel_bytes,
                             szp + p * groups * 2 * kPanel * kBlock, yp + t0 * n + n0, n,
                             std::min<int64_t>(kPanel * kBlock, n - n0), prefetch);
     }
@@ -182,66 +190,112 @@ namespace {
 constexpr int kPrefetch = 2048;
 constexpr int kGroupQuads = kActGroup / 4;
 
-// One activation group (quads [j0, j0 + kGroupQuads)) for T rows on C channel blocks of a
-// panel from `blocks` (C = 4: the whole panel; C = 2: half h, the low and high nibbles of its
-// 64 bytes a quad): sums[t C + c] = A (exact int32). Its own function, not inlined, with the
-// prefetch choice a template argument: inside the tile's group loop, or with the loop
-// unswitched on a runtime flag, GCC copied half of the accumulators through other registers
-// around every vpdpbusd.
-template <int T, int C, bool prefetch>
+// One activation group (quads [j0, j0 + kGroupQuads)) for T rows on the four channel blocks
+// of a panel: sums[t][c] = A (exact int32). Its own function, not inlined, with the prefetch
+// choice a template argument: inside tile()'s group loop, or with the loop unswitched on a
+// runtime flag, GCC copied half of the accumulators through other registers around every
+// vpdpbusd.
+template <int T, bool prefetch>
 __attribute__((noinline)) void group_dots(const int8_t* q, int64_t k, int64_t j0,
-                                          const uint8_t* blocks, __m512i* sums) {
-  static_assert(C == 2 || C == 4, "a half or a whole panel");
+                                          const uint8_t* weights, __m512i* sums) {
   const __m512i low = _mm512_set1_epi8(0x0F);
-  __m512i acc[T][C];
-#pragma GCC unroll 8
+  __m512i acc[T][kPanel];
+#pragma GCC unroll 4
   for (int r = 0; r < T; ++r)
 #pragma GCC unroll 4
-    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_si512();
+    for (int c = 0; c < kPanel; ++c) acc[r][c] = _mm512_setzero_si512();
 #pragma GCC unroll 8
   for (int64_t j = j0; j < j0 + kGroupQuads; ++j) {
-    const uint8_t* wj = blocks + j * 128;
-    __m512i w[C];
-#pragma GCC unroll 2
-    for (int h = 0; h < C / 2; ++h) {
-      if constexpr (prefetch)  // a panel's first pass, from memory; later ones find it cached
-        _mm_prefetch(reinterpret_cast<const char*>(wj) + kPrefetch + 64 * h, _MM_HINT_T0);
-      const __m512i v = _mm512_load_si512(wj + 64 * h);
-      w[2 * h] = _mm512_and_si512(v, low);
-      w[2 * h + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+    const uint8_t* wj = weights + j * 128;
+    if constexpr (prefetch) {  // a panel's first pass, from memory; later ones find it cached
+      _mm_prefetch(reinterpret_cast<const char*>(wj) + kPrefetch, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(wj) + kPrefetch + 64, _MM_HINT_T0);
     }
-    rows_times_weights<T, C, true>(acc, reinterpret_cast<const uint8_t*>(q), k, j, w);
+    const __m512i v0 = _mm512_load_si512(wj), v1 = _mm512_load_si512(wj + 64);
+    const __m512i w[kPanel] = {
+        _mm512_and_si512(v0, low), _mm512_and_si512(_mm512_srli_epi16(v0, 4), low),
+        _mm512_and_si512(v1, low), _mm512_and_si512(_mm512_srli_epi16(v1, 4), low)};
+    rows_times_weights<T, kPanel, true>(acc, reinterpret_cast<const uint8_t*>(q), k, j, w);
   }
-#pragma GCC unroll 8
+#pragma GCC unroll 4
   for (int t = 0; t < T; ++t)
 #pragma GCC unroll 4
-    for (int c = 0; c < C; ++c) sums[t * C + c] = acc[t][c];
+    for (int c = 0; c < kPanel; ++c) sums[t * kPanel + c] = acc[t][c];
 }
 
-// T rows on a panel as packed, C channel blocks at a time (the nibbles unpacked in
-// registers): up to 4 rows take the four blocks at once (4T sums in registers, each quad's
-// 128 bytes read together), 5 to 8 rows a half panel (2T sums).
-template <int T, int C = T <= 4 ? 4 : 2>
+// Up to 4 rows, the panel's only tile: the four channel blocks at once (4T sums in
+// registers, each quad's 128 bytes read together, the nibbles unpacked in registers); the
+// float outputs wait in L1 while the next group's integer sums take the registers.
+template <int T>
 void tile(const Activations& act, int64_t group, const uint8_t* weights,
           const uint16_t* scale_zero, float* y, int64_t y_stride, int64_t cols,
           const Prefetch& prefetch) {
   const int64_t per_group = group / kActGroup;
-  const int64_t ahead_per_step = (prefetch.ahead_lines + act.groups * (kPanel / C) - 1) /
-                                 (act.groups * (kPanel / C));
-  int64_t ahead = 0;
   alignas(64) float out[T][kPanel * kBlock] = {};
-  alignas(64) __m512i sums[T * C];
+  alignas(64) __m512i sums[T * kPanel];
   for (int64_t a = 0; a < act.groups; ++a) {
+    (prefetch.first_pass ? group_dots<T, true> : group_dots<T, false>)(
+        act.codes, act.k, a * kGroupQuads, weights, sums);
     const uint16_t* sz = scale_zero + (a / per_group) * 2 * kPanel * kBlock;
-    for (int c0 = 0; c0 < kPanel; c0 += C) {
+#pragma GCC unroll 4
+    for (int c = 0; c < kPanel; ++c) {
+      const __m512 scale = _mm512_cvtph_ps(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sz + c * kBlock)));
+      const __m512 zero = _mm512_cvtph_ps(_mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(sz + (kPanel + c) * kBlock)));
+#pragma GCC unroll 4
+      for (int t = 0; t < T; ++t) {
+        const int64_t i = t * act.groups + a;
+        float* o = out[t] + c * kBlock;
+        const __m512 sa = _mm512_mul_ps(scale, _mm512_set1_ps(act.scales[i]));
+        __m512 v = _mm512_add_ps(_mm512_load_ps(o),
+                                 _mm512_mul_ps(sa, _mm512_cvtepi32_ps(sums[t * kPanel + c])));
+        v = _mm512_add_ps(v, _mm512_mul_ps(zero, _mm512_set1_ps(act.scaled_sums[i])));
+        _mm512_store_ps(o, v);
+      }
+    }
+  }
+  for (int t = 0; t < T; ++t) std::memcpy(y + t * y_stride, out[t], cols * sizeof(float));
+}
+
+// One of several row tiles of a panel (up to 6 rows): half a panel at a time over all the
+// groups, so that the integer sums and the float outputs of the half stay in registers
+// (4T + 4 vectors: no loads and stores of the outputs at every group); the nibbles are
+// unpacked in registers, each half of a quad read in its own pass.
+template <int T, bool first_pass>
+void register_tile_impl(const Activations& act, int64_t group, const uint8_t* weights,
+                        const uint16_t* scale_zero, float* y, int64_t y_stride, int64_t cols,
+                        const Prefetch& prefetch) {
+  const int64_t per_group = group / kActGroup, k = act.k;
+  const auto* codes = reinterpret_cast<const uint8_t*>(act.codes);
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const int64_t ahead_per_step = (prefetch.ahead_lines + 2 * act.groups - 1) / (2 * act.groups);
+  int64_t ahead = 0;
+  for (int h = 0; h < 2 && 2 * h * kBlock < cols; ++h) {
+    __m512 out[T][2];
+#pragma GCC unroll 8
+    for (int t = 0; t < T; ++t) out[t][0] = out[t][1] = _mm512_setzero_ps();
+    for (int64_t a = 0; a < act.groups; ++a) {
       for (const int64_t end = std::min(ahead + ahead_per_step, prefetch.ahead_lines);
            ahead < end; ++ahead)
         _mm_prefetch(reinterpret_cast<const char*>(prefetch.ahead) + 64 * ahead, _MM_HINT_T1);
-      (prefetch.first_pass ? group_dots<T, C, true> : group_dots<T, C, false>)(
-          act.codes, act.k, a * kGroupQuads, weights + 32 * c0, sums);
-#pragma GCC unroll 4
-      for (int cc = 0; cc < C; ++cc) {
-        const int c = c0 + cc;
+      __m512i acc[T][2];
+#pragma GCC unroll 8
+      for (int t = 0; t < T; ++t) acc[t][0] = acc[t][1] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+      for (int64_t j = a * kGroupQuads; j < (a + 1) * kGroupQuads; ++j) {
+        const uint8_t* wj = weights + j * 128 + 64 * h;
+        if constexpr (first_pass)
+          _mm_prefetch(reinterpret_cast<const char*>(wj) + kPrefetch, _MM_HINT_T0);
+        const __m512i v = _mm512_load_si512(wj);
+        const __m512i w[2] = {_mm512_and_si512(v, low),
+                              _mm512_and_si512(_mm512_srli_epi16(v, 4), low)};
+        rows_times_weights<T, 2, true>(acc, codes, k, j, w);
+      }
+      const uint16_t* sz = scale_zero + (a / per_group) * 2 * kPanel * kBlock;
+#pragma GCC unroll 2
+      for (int cc = 0; cc < 2; ++cc) {
+        const int c = 2 * h + cc;
         const __m512 scale = _mm512_cvtph_ps(
             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sz + c * kBlock)));
         const __m512 zero = _mm512_cvtph_ps(_mm256_loadu_si256(
@@ -249,21 +303,36 @@ void tile(const Activations& act, int64_t group, const uint8_t* weights,
 #pragma GCC unroll 8
         for (int t = 0; t < T; ++t) {
           const int64_t i = t * act.groups + a;
-          float* o = out[t] + c * kBlock;
           const __m512 sa = _mm512_mul_ps(scale, _mm512_set1_ps(act.scales[i]));
-          __m512 v = _mm512_add_ps(_mm512_load_ps(o),
-                                   _mm512_mul_ps(sa, _mm512_cvtepi32_ps(sums[t * C + cc])));
-          v = _mm512_add_ps(v, _mm512_mul_ps(zero, _mm512_set1_ps(act.scaled_sums[i])));
-          _mm512_store_ps(o, v);
+          out[t][cc] = _mm512_add_ps(out[t][cc],
+                                     _mm512_mul_ps(sa, _mm512_cvtepi32_ps(acc[t][cc])));
+          out[t][cc] = _mm512_add_ps(
+              out[t][cc], _mm512_mul_ps(zero, _mm512_set1_ps(act.scaled_sums[i])));
         }
       }
     }
+    alignas(64) float row[2 * kBlock];
+    const int64_t width = std::min<int64_t>(2 * kBlock, cols - 2 * h * kBlock);
+    for (int t = 0; t < T; ++t) {
+      _mm512_store_ps(row, out[t][0]);
+      _mm512_store_ps(row + kBlock, out[t][1]);
+      std::memcpy(y + t * y_stride + 2 * h * kBlock, row, width * sizeof(float));
+    }
   }
-  for (int t = 0; t < T; ++t) std::memcpy(y + t * y_stride, out[t], cols * sizeof(float));
 }
 
-constexpr Tiles kTiles = {
-    {nullptr, tile<1>, tile<2>, tile<3>, tile<4>, tile<5>, tile<6>, tile<7>, tile<8>}, 8};
+template <int T>
+void register_tile(const Activations& act, int64_t group, const uint8_t* weights,
+                   const uint16_t* scale_zero, float* y, int64_t y_stride, int64_t cols,
+                   const Prefetch& prefetch) {
+  (prefetch.first_pass ? register_tile_impl<T, true> : register_tile_impl<T, false>)(
+      act, group, weights, scale_zero, y, y_stride, cols, prefetch);
+}
+
+constexpr Tiles kTiles = {{nullptr, tile<1>, tile<2>, tile<3>, tile<4>},
+                           {nullptr, register_tile<1>, register_tile<2>, register_tile<3>,
+                            register_tile<4>, register_tile<5>, register_tile<6>},
+                           6};
 
 }  // namespace
 
@@ -347,7 +416,8 @@ void tile(const Activations& act, int64_t group, const uint8_t* weights,
   }
 }
 
-constexpr Tiles kTiles = {{nullptr, tile<1>, tile<2>, tile<3>, tile<4>}, 4};
+constexpr Tiles kTiles = {{nullptr, tile<1>, tile<2>, tile<3>, tile<4>},
+                           {nullptr, tile<1>, tile<2>, tile<3>, tile<4>}, 4};
 
 }  // namespace
 
