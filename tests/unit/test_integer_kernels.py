@@ -145,7 +145,7 @@ def test_int8_kernel_rejects_mismatched_shapes():
 
 
 # (out, in, group); row counts below cover every tile size (up to 4 rows: one tile of the whole
-# panel; more: balanced tiles of up to 6 rows a half panel at a time: 5, 4 + 3, 5 + 4, 5 + 6 + 6).
+# panel; more: balanced tiles of up to 6 rows a half panel at a time: 5, 3 + 4, 4 + 5, 5 + 6 + 6).
 INT4_SHAPES = [(100, 64, 32), (130, 256, 64), (64, 128, 128), (960, 576, 32), (576, 1536, 128)]
 
 
