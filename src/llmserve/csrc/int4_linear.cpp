@@ -171,9 +171,8 @@ at::Tensor run_int4(const at::Tensor& x, const at::Tensor& packed, const at::Ten
           spread && (p + 1) * tiles < e ? std::min(share_lines, panel_lines - first_line) : 0};
       const Activations act{codes.data() + t0 * k, scales.data() + t0 * act_groups,
                             scaled_sums.data() + t0 * act_groups, k, act_groups};
-      by_rows[rows](act, group, wp + p * panel_bytes,
-                            szp + p * groups * 2 * kPanel * kBlock, yp + t0 * n + n0, n,
-                            std::min<int64_t>(kPanel * kBlock, n - n0), prefetch);
+      by_rows[rows](act, group, wp + p * panel_bytes, szp + p * groups * 2 * kPanel * kBlock,
+                    yp + t0 * n + n0, n, std::min<int64_t>(kPanel * kBlock, n - n0), prefetch);
     }
   });
   return y;
