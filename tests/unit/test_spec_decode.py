@@ -27,15 +27,21 @@ from tests.unit.test_scheduler import make, req
 # ---- the n-gram proposer ------------------------------------------------------------------
 
 
+def _after_latest(seq: list[int], suffix: list[int], k: int) -> list[int]:
+    """Up to k tokens after the latest occurrence of ``suffix`` in ``seq`` that has a token
+    after it (scanning every start from the latest); [] when there is none."""
+    n = len(suffix)
+    for start in range(len(seq) - n - 1, -1, -1):
+        if seq[start:start + n] == suffix:
+            return seq[start + n:start + n + k]
+    return []
+
+
 def _ngram_reference(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
-    """Slow, obvious: for n from max to min, scan every earlier start from the latest."""
+    """Slow, obvious: for n from max to min, the latest earlier occurrence of the last n."""
     for n in range(max_n, min_n - 1, -1):
-        if n >= len(tokens):
-            continue
-        suffix = tokens[-n:]
-        for start in range(len(tokens) - n - 1, -1, -1):
-            if tokens[start:start + n] == suffix:
-                return tokens[start + n:start + n + k]
+        if n < len(tokens) and (found := _after_latest(tokens, tokens[-n:], k)):
+            return found
     return []
 
 
@@ -68,14 +74,9 @@ def _suffix_reference(tokens: list[int], shared: list[list[int]], min_n: int, ma
     for n in range(max_n, min_n - 1, -1):
         if n >= len(tokens):
             continue
-        own = _ngram_reference(tokens, n, n, k)
-        if own:
-            return own
-        suffix = tokens[-n:]
-        for seq in reversed(shared):
-            for start in range(len(seq) - n - 1, -1, -1):
-                if seq[start:start + n] == suffix:
-                    return seq[start + n:start + n + k]
+        for seq in [tokens, *reversed(shared)]:
+            if found := _after_latest(seq, tokens[-n:], k):
+                return found
     return []
 
 
