@@ -5,6 +5,7 @@ vacuous)."""
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -20,9 +21,12 @@ FREE_ROWS = StepCost([(1, 1.0), (1 << 20, 1.0)])
 
 
 def speculate_always(speculator) -> None:
-    """Rows cost nothing and the guard stands aside: every proposal found is verified."""
+    """Rows and draft-model passes cost nothing, any expected gain is taken, and the guard
+    stands aside: every proposal found is verified, however rarely drafts are accepted."""
     speculator.cost = FREE_ROWS
     speculator.guard = False
+    speculator.MIN_GAIN = 1.0
+    speculator.proposer.step_seconds = 0.0
 
 
 def _params(rng: random.Random, i: int) -> SamplingParams:
@@ -177,6 +181,52 @@ def test_the_target_as_its_own_draft_is_always_accepted(tiny_model_dir, name):
     assert stats.spec_accepted_tokens == stats.spec_draft_tokens
     assert not llm.engine.speculator.proposer._seqs  # every request's draft blocks freed
     assert len(llm.engine.speculator.proposer._free) == llm.engine.speculator.proposer.num_blocks
+
+
+def test_the_draft_catches_up_inside_its_first_proposal_pass(tiny_model_dir):
+    """Between speculating steps the target emits tokens the draft has not seen (the bonus
+    token, plain steps); the draft's first pass takes them with the last token, and only a
+    prompt is written ahead of the proposal passes. With the target as its own draft, any
+    misplaced KV would show as a rejected draft."""
+    path, _ = tiny_model_dir("llama-gqa")
+    prompts, _ = _workload(8)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    config = {"method": "draft", "model": str(path), "num_speculative_tokens": 3}
+    llm = LLM(str(path), max_model_len=512, num_kv_blocks=256, speculative_config=config)
+    speculator = llm.engine.speculator
+    speculate_always(speculator)
+    proposer = speculator.proposer
+    prepare, steps = speculator.prepare, itertools.count()
+
+    def one_step_in_three_plain(running, waiting):
+        if next(steps) % 3 == 1:
+            for r in running:
+                r.draft_token_ids = []
+            return 0
+        return prepare(running, waiting)
+
+    speculator.prepare = one_step_in_three_plain
+    writes, prefills = [], []
+    write_kv = proposer.runner.write_kv
+    proposer.runner.write_kv = lambda sched: writes.append(sched) or write_kv(sched)
+    propose = proposer.propose
+
+    def timed(requests, counts):
+        out = propose(requests, counts)
+        prefills.append(proposer.prefill_seconds)
+        return out
+
+    proposer.propose = timed
+    want = LLM(str(path), max_model_len=512, num_kv_blocks=256).generate(prompts, params)
+    got = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    stats = llm.engine.stats()
+    assert stats.spec_accepted_tokens == stats.spec_draft_tokens > 0
+    # Prompts only: each written once, before the request's first proposal.
+    written = [s for sched in writes for s in sched.scheduled]
+    assert sorted({s.request_id for s in written}) == sorted(r.request_id for r in got)
+    assert all(s.start_pos == 0 for s in written)
+    assert sum(p > 0 for p in prefills) == len(writes) < len(prefills)
 
 
 def test_prompt_only_requests_beside_speculating_ones(tiny_model_dir):

@@ -19,7 +19,13 @@ from llmserve.sample.sampler import Sampler, SamplingRow
 from llmserve.sampling_params import SamplingParams
 from llmserve.scheduler.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from llmserve.spec_decode import NgramProposer, Speculator, StepCost, ngram_propose, plan_drafts
-from llmserve.spec_decode.planner import ArmStats, batch_bucket, guard_allows
+from llmserve.spec_decode.planner import (
+    AcceptancePool,
+    ArmStats,
+    acceptance_estimate,
+    batch_bucket,
+    guard_allows,
+)
 from llmserve.spec_decode.suffix import SharedHistory, SuffixProposer, suffix_propose
 from tests.unit.test_sampling_distribution import CHI2_CRIT_0001
 from tests.unit.test_scheduler import make, req
@@ -274,6 +280,61 @@ def test_the_speculator_learns_only_from_decode_only_steps():
     arm = spec.arms[batch_bucket(2)]
     assert (arm.spec_n, arm.plain_n) == (1, 1)
     assert arm.spec == pytest.approx(0.02 / 4) and arm.plain == pytest.approx(0.01 / 2)
+
+
+def test_a_draft_models_prompt_prefill_is_not_the_steps_cost():
+    """The first step that speculates for a request also writes its prompt into the draft
+    model's cache; the guard counts only the rest of that step."""
+
+    class Prefilling(NgramProposer):  # proposes after planning, as a model does
+        cheap = False
+        prefill_seconds = 0.015
+
+    spec = Speculator(SpeculativeConfig(method="ngram", num_speculative_tokens=4),
+                      Prefilling(1, 4), StepCost([(1, 0.01), (64, 0.2)]), 256)
+    spec.guard = False
+    params = SamplingParams(max_tokens=64, temperature=0)
+    req = Request("a", [1, 2, 3, 1, 2, 3, 1, 2], params, max_tokens=64)
+    req.num_computed_tokens = req.num_tokens - 1
+    req.status = RequestStatus.RUNNING
+    assert spec.prepare([req], []) > 0
+    drafts = len(req.draft_token_ids)
+    step = SchedulerOutput([ScheduledRequest("a", [2, *req.draft_token_ids], 7, [[0]], True,
+                                             params, num_draft_tokens=drafts)], drafts + 1)
+    spec.observe(step, ModelRunnerOutput({"a": [9] * (drafts + 1)}), 0.035)
+    arm = spec.arms[batch_bucket(1)]
+    assert arm.spec_n == 1 and arm.spec == pytest.approx((0.035 - 0.015) / (drafts + 1))
+
+
+def test_acceptance_pool_is_a_decayed_rate_over_all_requests():
+    pool = AcceptancePool(decay=0.9)
+    assert pool.rate == 0.5  # nothing verified: no opinion
+    history = [(4, 4), (4, 3), (0, 0), (2, 0), (4, 4)]  # (drafted, accepted); (0, 0) ignored
+    for drafted, accepted in history:
+        pool.observe(drafted, accepted)
+    kept = [(d, a) for d, a in history if d]
+    weights = [0.9 ** (len(kept) - 1 - i) for i in range(len(kept))]
+    acc = sum(w * a for w, (_, a) in zip(weights, kept))
+    drafted = sum(w * d for w, (d, _) in zip(weights, kept))
+    assert pool.rate == pytest.approx((acc + 1) / (drafted + 2))
+
+
+def test_a_new_request_starts_from_the_pools_rate():
+    assert acceptance_estimate(0, 0, prior=0.95) == pytest.approx(0.95)
+    assert acceptance_estimate(0, 0, prior=0.5) == 0.5  # the former fixed prior
+    # Its own record takes over: 2 of 20 accepted against a pool at 0.9.
+    assert acceptance_estimate(2, 20, prior=0.9) == pytest.approx((2 + 1.8) / 22)
+
+
+def test_the_speculator_pools_acceptance_from_every_verification():
+    spec = Speculator(SpeculativeConfig(method="ngram", num_speculative_tokens=4),
+                      NgramProposer(1, 4), StepCost([(1, 0.01), (64, 0.2)]), 256)
+    params = SamplingParams(max_tokens=8)
+    mixed = SchedulerOutput([ScheduledRequest("a", [1] * 5, 10, [[0]], True, params,
+                                              num_draft_tokens=4),
+                             ScheduledRequest("c", [1] * 40, 0, [[0]], True, params)], 45)
+    spec.observe(mixed, ModelRunnerOutput({"a": [5, 6, 7], "c": [9]}), 0.5)
+    assert (spec.pool.drafted, spec.pool.accepted) == (4, 2)  # mixed steps count here too
 
 
 # ---- the configuration ------------------------------------------------------------------

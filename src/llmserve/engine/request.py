@@ -102,11 +102,6 @@ class Request:
         return (lead is not None and not lead.is_finished
                 and lead.num_computed_tokens < lead.num_prompt_tokens)
 
-    @property
-    def acceptance_rate(self) -> float:
-        """Per draft token, smoothed towards 1/2 while few drafts were verified."""
-        return (self.num_accepted_tokens + 1) / (self.num_draft_tokens + 2)
-
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)

@@ -2,11 +2,15 @@
 
 The draft runs on the same engine code as the target (a ``ModelRunner`` with its own paged
 KV cache and its own block table per request, so the target's block accounting never sees
-it). Per request it remembers how many tokens of the history its cache holds; each call
-first catches up on what the target accepted since (the whole prompt the first time, a few
-tokens later), then runs ``k`` one-token steps, all requests batched in each pass. A
-proposal that the target then accepts is already in the draft's cache: the next call starts
-after it.
+it). Per request it remembers how many tokens of the history its cache holds. Each call
+runs ``k`` passes, all requests batched in each: the first takes the tokens the target
+emitted since the last proposal (the bonus token, a draft the last pass did not write, the
+tokens of steps that did not speculate) with the last known token, and proposes from its
+last row; the others take one token each. A long history not yet in the cache (the prompt,
+the first time) is written before, in passes of the engine's token budget, and timed on its
+own (``prefill_seconds``): it is the request's prefill in the draft, paid once, not a cost of
+the step that happens to speculate first. A proposal that the target then accepts is already
+in the draft's cache: the next call starts after it.
 
 Proposals are greedy, so each is deterministic given the history, and the target's rule
 for deterministic proposals (keep a draft while the target's own sample equals it) is exact
@@ -18,6 +22,7 @@ as without speculation); its cache is kept for later.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -47,6 +52,7 @@ class _DraftSequence:
 
 class DraftProposer:
     cheap = False  # a model runs: plan first, then propose only what the plan uses
+    prefill_seconds = 0.0  # of the last propose(): writing long histories (prompts)
 
     def __init__(self, config: SpeculativeConfig, *, target: LoadedModel,
                  engine_config: EngineConfig, num_blocks: int,
@@ -70,6 +76,7 @@ class DraftProposer:
                                   block_size=self.block_size, device=mc.device,
                                   kv_cache_dtype=kv_dtype)
         self.num_blocks = num_blocks
+        self.num_speculative_tokens = config.num_speculative_tokens
         self._free = list(range(num_blocks - 1, -1, -1))
         self._seqs: dict[str, _DraftSequence] = {}
         self.step_seconds = self._time_step()
@@ -80,6 +87,7 @@ class DraftProposer:
 
     @torch.inference_mode()
     def propose(self, requests: list[Request], counts: list[int]) -> list[list[int]]:
+        self.prefill_seconds = 0.0
         proposals: list[list[int]] = [[] for _ in requests]
         active: list[tuple[int, Request, _DraftSequence]] = []
         for i, (r, k) in enumerate(zip(requests, counts)):
@@ -92,18 +100,24 @@ class DraftProposer:
                 active.append((i, r, seq))
         if not active:
             return proposals
-        self._catch_up(active)  # every history token but the last now in the cache
+        first = self._catch_up(active)  # all but the last few tokens of each history
         last = [r.all_token_ids[-1] for _, r, _ in active]
         for step in range(max(counts[i] for i, _, _ in active)):
             items, owners = [], []
             for (i, r, seq), token in zip(active, last):
                 if step >= counts[i]:
                     continue
-                pos = r.num_tokens - 1 + step
-                items.append(ScheduledRequest(r.request_id, [token], pos, [seq.blocks], True,
-                                              _GREEDY))
+                if step == 0:  # the rest of the history and the last token, in one pass
+                    begin = first[r.request_id]
+                    items.append(ScheduledRequest(r.request_id, r.all_token_ids[begin:],
+                                                  begin, [seq.blocks], True, _GREEDY))
+                else:
+                    items.append(ScheduledRequest(r.request_id, [token],
+                                                  r.num_tokens - 1 + step, [seq.blocks], True,
+                                                  _GREEDY))
                 owners.append(i)
-            logits = self.runner.forward_logits(SchedulerOutput(items, len(items)))
+            logits = self.runner.forward_logits(
+                SchedulerOutput(items, sum(s.num_tokens for s in items)))
             tokens = logits.argmax(dim=-1).tolist()
             for i, token in zip(owners, tokens):
                 proposals[i].append(token)
@@ -150,14 +164,22 @@ class DraftProposer:
             seq.blocks.append(self._free.pop())
         return True
 
-    def _catch_up(self, active: list[tuple[int, Request, _DraftSequence]]) -> None:
-        """Write the draft KV of each request's history up to (not including) its last token,
-        in passes of at most the engine's token budget."""
+    def _catch_up(self, active: list[tuple[int, Request, _DraftSequence]]) -> dict[str, int]:
+        """Write the draft KV of each request's history but its last few tokens, in passes of
+        at most the engine's token budget; returns, per request, where the first proposal
+        pass starts. It takes at most ``num_speculative_tokens + 1`` tokens before the last
+        (what one speculating step emits) and its requests' tokens stay within the budget;
+        the rest of a history is written here."""
+        carry = self.num_speculative_tokens + 1
+        first = {r.request_id: max(seq.num_computed, r.num_tokens - 1 - carry)
+                 for _, r, seq in active}
+        if sum(r.num_tokens - first[r.request_id] for _, r, _ in active) > self.budget:
+            first = {r.request_id: r.num_tokens - 1 for _, r, _ in active}
         todo = {r.request_id: seq.num_computed for _, r, seq in active}
         while True:
             items, used = [], 0
             for _, r, seq in active:
-                start, end = todo[r.request_id], r.num_tokens - 1
+                start, end = todo[r.request_id], first[r.request_id]
                 take = min(end - start, self.budget - used)
                 if take <= 0:
                     continue
@@ -167,5 +189,7 @@ class DraftProposer:
                 todo[r.request_id] = start + take
                 used += take
             if not items:
-                return
+                return first
+            start = time.perf_counter()
             self.runner.write_kv(SchedulerOutput(items, used))
+            self.prefill_seconds += time.perf_counter() - start

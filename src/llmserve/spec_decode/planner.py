@@ -80,6 +80,39 @@ def plan_drafts(acceptance: Sequence[float], max_drafts: Sequence[int], *,
     return counts
 
 
+# ---- acceptance rates ----------------------------------------------------------------------
+
+
+@dataclass
+class AcceptancePool:
+    """The proposer's acceptance rate per draft token over recent verifications of all
+    requests: exponentially decayed counts (``decay`` per verification), so that the rate
+    follows the workload. With nothing verified yet: 1/2."""
+
+    accepted: float = 0.0
+    drafted: float = 0.0
+    decay: float = 0.98
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        if drafted > 0:
+            self.accepted = self.accepted * self.decay + accepted
+            self.drafted = self.drafted * self.decay + drafted
+
+    @property
+    def rate(self) -> float:
+        return (self.accepted + 1) / (self.drafted + 2)
+
+
+def acceptance_estimate(accepted: int, drafted: int, prior: float,
+                        weight: float = 2.0) -> float:
+    """A request's acceptance rate per draft token: its own counts, smoothed towards
+    ``prior`` (the pool's rate) as if ``weight`` drafts had been verified at that rate. A new
+    request starts at what its proposer achieves on the others (a draft model that agrees
+    with its target 95% of the time drafts fully from the first step), and its own record
+    takes over as it grows."""
+    return (accepted + weight * prior) / (drafted + weight)
+
+
 # ---- what the steps actually cost ----------------------------------------------------------
 #
 # The step costs above are timed at start-up on one short sequence; a batch of long

@@ -13,8 +13,10 @@ from llmserve.logger import get_logger
 from llmserve.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from llmserve.spec_decode.ngram import NgramProposer
 from llmserve.spec_decode.planner import (
+    AcceptancePool,
     ArmStats,
     StepCost,
+    acceptance_estimate,
     batch_bucket,
     guard_allows,
     plan_drafts,
@@ -31,6 +33,9 @@ class Proposer(Protocol):
     cheap: bool
     # Seconds of one proposal step (a draft model's forward pass; 0 for lookups).
     step_seconds: float
+    # Seconds of the last propose() spent writing histories the proposer had not seen (a
+    # draft model's prefill of a prompt): paid once per request, not by the step.
+    prefill_seconds: float
 
     def propose(self, requests: list[Request], counts: list[int]) -> list[list[int]]: ...
 
@@ -71,11 +76,14 @@ class Speculator:
         self.arms: dict[int, ArmStats] = {}
         self.guard = True  # False: the cost model alone decides (tests that need drafts)
         self._bucket = 0  # the batch-size range of the step being prepared
+        self._prefill_seconds = 0.0  # of the step being prepared (see observe)
+        self.pool = AcceptancePool()  # the proposer's recent acceptance over all requests
 
     def prepare(self, running: list[Request], waiting: list[Request]) -> int:
         """Set the draft tokens of the running requests for the next step; returns how
         many were proposed."""
         start = time.perf_counter()
+        self._prefill_seconds = 0.0
         decoding, pending = [], 0
         for r in running:
             r.draft_token_ids = []
@@ -93,7 +101,9 @@ class Speculator:
         plan_kw = dict(num_sampling=len(decoding), num_tokens=base,
                        budget=self.budget - base, cost=self.cost,
                        propose_seconds=self.proposer.step_seconds, min_gain=self.MIN_GAIN)
-        acceptance = [r.acceptance_rate for r in decoding]
+        prior = self.pool.rate
+        acceptance = [acceptance_estimate(r.num_accepted_tokens, r.num_draft_tokens, prior)
+                      for r in decoding]
         # Planned as if every proposal were found: under load nothing is asked for at all.
         counts = plan_drafts(acceptance, limits, **plan_kw)
         chosen = [i for i, c in enumerate(counts) if c]
@@ -116,6 +126,7 @@ class Speculator:
         elif chosen:
             found = self.proposer.propose([decoding[i] for i in chosen],
                                           [counts[i] for i in chosen])
+            self._prefill_seconds = self.proposer.prefill_seconds
             for i, p in zip(chosen, found):
                 proposals[i] = p[:counts[i]]
         total = 0
@@ -129,7 +140,12 @@ class Speculator:
                 seconds: float) -> None:
         """Account a step that ran (``seconds`` from prepare() to the scheduler's update):
         decode-only steps feed the guard's measurements; steps with prompt chunks, whose
-        cost is mostly the prompt's, do not."""
+        cost is mostly the prompt's, do not. A draft model's prefill of a prompt, done by the
+        first step that speculates for the request, is not counted as that step's cost."""
+        for s in sched.scheduled:
+            if s.num_draft_tokens:
+                emitted = len(result.sampled_token_ids.get(s.request_id, ()))
+                self.pool.observe(s.num_draft_tokens, max(emitted - 1, 0))
         if not sched.scheduled or any(s.num_tokens != 1 + s.num_draft_tokens
                                       for s in sched.scheduled):
             return
@@ -137,7 +153,8 @@ class Speculator:
         arm = self.arms.setdefault(self._bucket or batch_bucket(len(sched.scheduled)),
                                    ArmStats())
         self._bucket = 0
-        arm.observe(any(s.num_draft_tokens for s in sched.scheduled), seconds,
+        arm.observe(any(s.num_draft_tokens for s in sched.scheduled),
+                    seconds - self._prefill_seconds,
                     sum(len(t) for t in result.sampled_token_ids.values()))
 
     def free(self, request_id: str) -> None:
