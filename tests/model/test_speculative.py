@@ -206,17 +206,9 @@ def test_the_draft_catches_up_inside_its_first_proposal_pass(tiny_model_dir):
         return prepare(running, waiting)
 
     speculator.prepare = one_step_in_three_plain
-    writes, prefills = [], []
+    writes = []
     write_kv = proposer.runner.write_kv
     proposer.runner.write_kv = lambda sched: writes.append(sched) or write_kv(sched)
-    propose = proposer.propose
-
-    def timed(requests, counts):
-        out = propose(requests, counts)
-        prefills.append(proposer.prefill_seconds)
-        return out
-
-    proposer.propose = timed
     want = LLM(str(path), max_model_len=512, num_kv_blocks=256).generate(prompts, params)
     got = llm.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
@@ -226,7 +218,7 @@ def test_the_draft_catches_up_inside_its_first_proposal_pass(tiny_model_dir):
     written = [s for sched in writes for s in sched.scheduled]
     assert sorted({s.request_id for s in written}) == sorted(r.request_id for r in got)
     assert all(s.start_pos == 0 for s in written)
-    assert sum(p > 0 for p in prefills) == len(writes) < len(prefills)
+    assert len(writes) < stats.spec_num_drafts / 8
 
 
 def test_prompt_only_requests_beside_speculating_ones(tiny_model_dir):

@@ -210,32 +210,47 @@ def test_a_costly_proposer_speculates_less():
 # ---- the guard: what steps actually cost ------------------------------------------------
 
 
-def test_arm_stats_are_exponentially_weighted_means_per_token():
+def test_arm_stats_are_ratios_of_decayed_sums():
     arm = ArmStats()
     samples = [(True, 0.030, 3), (False, 0.010, 1), (True, 0.040, 2), (True, 0.033, 3),
                (False, 0.012, 1), (True, 0.0, 2), (False, 0.02, 0)]  # last two: ignored
-    arm_spec = arm_plain = None
     for speculated, seconds, emitted in samples:
         arm.observe(speculated, seconds, emitted)
-        if emitted <= 0 or seconds <= 0:
-            continue
-        x = seconds / emitted
-        if speculated:
-            arm_spec = x if arm_spec is None else 0.9 * arm_spec + 0.1 * x
-        else:
-            arm_plain = x if arm_plain is None else 0.9 * arm_plain + 0.1 * x
     assert (arm.spec_n, arm.plain_n) == (3, 2)
-    assert arm.spec == pytest.approx(arm_spec) and arm.plain == pytest.approx(arm_plain)
+    # Oldest first, each older step weighing 0.9 times the next.
+    spec = [(0.030, 3), (0.040, 2), (0.033, 3)]
+    plain = [(0.010, 1), (0.012, 1)]
+    for got, kept in ((arm.spec, spec), (arm.plain, plain)):
+        w = [0.9 ** (len(kept) - 1 - i) for i in range(len(kept))]
+        want = (sum(wi * s for wi, (s, _) in zip(w, kept))
+                / sum(wi * t for wi, (_, t) in zip(w, kept)))
+        assert got == pytest.approx(want)
+
+
+def test_one_costly_step_is_spread_over_the_tokens_around_it():
+    """A first speculating step that also prefilled the draft (190 ms for 5 tokens), then
+    steps of 45 ms for 6 tokens, against plain steps of 18 ms a token: by the eighth
+    speculating step the arm says under 10 ms a token and speculation wins (a moving
+    average of per-step ratios would still say 22 ms)."""
+    arm = ArmStats()
+    arm.observe(True, 0.190, 5)
+    for _ in range(7):
+        arm.observe(True, 0.045, 6)
+    for _ in range(8):
+        arm.observe(False, 0.018, 1)
+    assert arm.spec < 0.010 and guard_allows(arm, 0)
 
 
 def test_guard_measures_both_kinds_of_step_then_keeps_the_faster():
     fresh = ArmStats()
     # Nothing measured plain yet: every other step plain, to measure both.
     assert [guard_allows(fresh, d) for d in range(6)] == [False, True] * 3
-    plain_known = ArmStats(plain=0.010, plain_n=8)
+    plain_known = ArmStats(plain_seconds=0.080, plain_tokens=8, plain_n=8)
     assert all(guard_allows(plain_known, d) for d in range(32))  # spec must be measured
-    faster = ArmStats(plain=0.010, plain_n=8, spec=0.006, spec_n=8)
-    slower = ArmStats(plain=0.010, plain_n=8, spec=0.012, spec_n=8)
+    faster = ArmStats(plain_seconds=0.080, plain_tokens=8, plain_n=8,
+                      spec_seconds=0.144, spec_tokens=24, spec_n=8)
+    slower = ArmStats(plain_seconds=0.080, plain_tokens=8, plain_n=8,
+                      spec_seconds=0.288, spec_tokens=24, spec_n=8)
     assert [guard_allows(faster, d) for d in range(16)] == [True] * 15 + [False]
     assert [guard_allows(slower, d) for d in range(16)] == [False] * 15 + [True]
     assert batch_bucket(1) == 1 and batch_bucket(3) == 2 and batch_bucket(16) == 5
@@ -282,28 +297,34 @@ def test_the_speculator_learns_only_from_decode_only_steps():
     assert arm.spec == pytest.approx(0.02 / 4) and arm.plain == pytest.approx(0.01 / 2)
 
 
-def test_a_draft_models_prompt_prefill_is_not_the_steps_cost():
-    """The first step that speculates for a request also writes its prompt into the draft
-    model's cache; the guard counts only the rest of that step."""
+@pytest.mark.parametrize(("cost", "cold_drafts"), [
+    (StepCost([(1, 0.010), (3, 0.010), (64, 0.19)]), False),  # one free row: 1.25x
+    (StepCost([(1, 0.010), (1 << 20, 0.010)]), True),  # rows are free: 1.94x
+])
+def test_a_cold_request_speculates_only_for_a_large_gain(cost, cold_drafts):
+    """A proposer that would first have to prefill a request's history (a draft model
+    meeting a new request) proposes for it only where the plan promises COLD_GAIN; a warm
+    request beside it speculates wherever the plan gains MIN_GAIN."""
 
-    class Prefilling(NgramProposer):  # proposes after planning, as a model does
+    class ModelLike(NgramProposer):  # proposes after planning, as a model does
         cheap = False
-        prefill_seconds = 0.015
+
+        def cold(self, request) -> bool:
+            return request.request_id == "cold"
 
     spec = Speculator(SpeculativeConfig(method="ngram", num_speculative_tokens=4),
-                      Prefilling(1, 4), StepCost([(1, 0.01), (64, 0.2)]), 256)
+                      ModelLike(1, 4), cost, 256)
     spec.guard = False
-    params = SamplingParams(max_tokens=64, temperature=0)
-    req = Request("a", [1, 2, 3, 1, 2, 3, 1, 2], params, max_tokens=64)
-    req.num_computed_tokens = req.num_tokens - 1
-    req.status = RequestStatus.RUNNING
-    assert spec.prepare([req], []) > 0
-    drafts = len(req.draft_token_ids)
-    step = SchedulerOutput([ScheduledRequest("a", [2, *req.draft_token_ids], 7, [[0]], True,
-                                             params, num_draft_tokens=drafts)], drafts + 1)
-    spec.observe(step, ModelRunnerOutput({"a": [9] * (drafts + 1)}), 0.035)
-    arm = spec.arms[batch_bucket(1)]
-    assert arm.spec_n == 1 and arm.spec == pytest.approx((0.035 - 0.015) / (drafts + 1))
+    requests = []
+    for rid in ("warm", "cold"):
+        req = Request(rid, [1, 2, 3, 1, 2, 3, 1, 2], SamplingParams(max_tokens=64),
+                      max_tokens=64)
+        req.num_computed_tokens = req.num_tokens - 1
+        req.status = RequestStatus.RUNNING
+        requests.append(req)
+    assert spec.prepare(requests, []) > 0
+    warm, cold = requests
+    assert warm.draft_token_ids and bool(cold.draft_token_ids) == cold_drafts
 
 
 def test_acceptance_pool_is_a_decayed_rate_over_all_requests():

@@ -6,11 +6,11 @@ it). Per request it remembers how many tokens of the history its cache holds. Ea
 runs ``k`` passes, all requests batched in each: the first takes the tokens the target
 emitted since the last proposal (the bonus token, a draft the last pass did not write, the
 tokens of steps that did not speculate) with the last known token, and proposes from its
-last row; the others take one token each. A long history not yet in the cache (the prompt,
-the first time) is written before, in passes of the engine's token budget, and timed on its
-own (``prefill_seconds``): it is the request's prefill in the draft, paid once, not a cost of
-the step that happens to speculate first. A proposal that the target then accepts is already
-in the draft's cache: the next call starts after it.
+last row; the others take one token each. A longer history not yet in the cache (the
+prompt, the first time: the request is ``cold``) is written before, in passes of the
+engine's token budget: the request's prefill in the draft, paid once, which the Speculator
+asks for only where speculation promises much (one user on an idle server). A proposal that
+the target then accepts is already in the draft's cache: the next call starts after it.
 
 Proposals are greedy, so each is deterministic given the history, and the target's rule
 for deterministic proposals (keep a draft while the target's own sample equals it) is exact
@@ -22,7 +22,6 @@ as without speculation); its cache is kept for later.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -52,7 +51,6 @@ class _DraftSequence:
 
 class DraftProposer:
     cheap = False  # a model runs: plan first, then propose only what the plan uses
-    prefill_seconds = 0.0  # of the last propose(): writing long histories (prompts)
 
     def __init__(self, config: SpeculativeConfig, *, target: LoadedModel,
                  engine_config: EngineConfig, num_blocks: int,
@@ -87,14 +85,14 @@ class DraftProposer:
 
     @torch.inference_mode()
     def propose(self, requests: list[Request], counts: list[int]) -> list[list[int]]:
-        self.prefill_seconds = 0.0
         proposals: list[list[int]] = [[] for _ in requests]
         active: list[tuple[int, Request, _DraftSequence]] = []
         for i, (r, k) in enumerate(zip(requests, counts)):
             if k <= 0:
                 continue
             seq = self._seqs.setdefault(r.request_id, _DraftSequence())
-            self._reuse_accepted(seq, r.all_token_ids)
+            seq.num_computed += _kept(seq, r.all_token_ids)
+            seq.proposed = []
             # KV for the history and for all but the last of the k proposals.
             if self._reserve(seq, r.num_tokens + k - 1):
                 active.append((i, r, seq))
@@ -136,6 +134,13 @@ class DraftProposer:
     def reset(self) -> None:
         pass  # its KV cache holds running requests only: nothing shared to forget
 
+    def cold(self, request: Request) -> bool:
+        """Whether proposing for ``request`` first writes more of its history than one
+        proposal pass takes (its prompt the first time; a long run of plain steps)."""
+        seq = self._seqs.get(request.request_id)
+        computed = 0 if seq is None else seq.num_computed + _kept(seq, request.all_token_ids)
+        return request.num_tokens - 1 - computed > self.num_speculative_tokens + 1
+
     # ---- internals -----------------------------------------------------------------------
 
     def _time_step(self) -> float:
@@ -143,18 +148,6 @@ class DraftProposer:
         blocks = self._free[-1:]
         self.runner.time_verify_step(1, blocks, repeats=2)  # first-call costs
         return self.runner.time_verify_step(1, blocks)
-
-    @staticmethod
-    def _reuse_accepted(seq: _DraftSequence, history: list[int]) -> None:
-        """The proposals the target kept are in the cache already: skip them."""
-        n = seq.num_computed
-        kept = 0
-        for j, token in enumerate(seq.proposed[:-1]):  # the last one's KV was never written
-            if n + j >= len(history) - 1 or history[n + j] != token:
-                break
-            kept += 1
-        seq.num_computed = min(n + kept, len(history) - 1)
-        seq.proposed = []
 
     def _reserve(self, seq: _DraftSequence, num_positions: int) -> bool:
         need = -(-num_positions // self.block_size) - len(seq.blocks)
@@ -190,6 +183,15 @@ class DraftProposer:
                 used += take
             if not items:
                 return first
-            start = time.perf_counter()
             self.runner.write_kv(SchedulerOutput(items, used))
-            self.prefill_seconds += time.perf_counter() - start
+
+
+def _kept(seq: _DraftSequence, history: list[int]) -> int:
+    """How many of the last proposal's tokens the target kept and the draft's cache already
+    holds (all but the proposal's last token were written), up to the history's last."""
+    n, kept = seq.num_computed, 0
+    for j, token in enumerate(seq.proposed[:-1]):
+        if n + j >= len(history) - 1 or history[n + j] != token:
+            break
+        kept += 1
+    return kept

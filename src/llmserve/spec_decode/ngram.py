@@ -30,7 +30,6 @@ class NgramProposer:
 
     cheap = True
     step_seconds = 0.0
-    prefill_seconds = 0.0
 
     def __init__(self, min_n: int, max_n: int) -> None:
         self.min_n, self.max_n = min_n, max_n
@@ -55,3 +54,6 @@ class NgramProposer:
 
     def reset(self) -> None:
         pass  # nothing shared between requests
+
+    def cold(self, request) -> bool:
+        return False  # a lookup has nothing to catch up on

@@ -124,27 +124,40 @@ def acceptance_estimate(accepted: int, drafted: int, prior: float,
 
 @dataclass
 class ArmStats:
-    """Seconds per emitted token of decode-only steps without drafts (plain) and with
-    them (spec), as exponentially weighted means, for one range of batch sizes."""
+    """Seconds per emitted token of decode-only steps without drafts (plain) and with them
+    (spec), for one range of batch sizes: exponentially decayed sums of seconds and of
+    tokens (``decay`` per step of the kind), whose ratio is the recent tokens per second.
+    Sums, not a mean of per-step ratios: a costly step (a draft model's prefill of a
+    prompt) weighs by its seconds, spread over the tokens of the steps around it, as it is
+    spread over a request's tokens."""
 
-    plain: float = 0.0
-    spec: float = 0.0
+    plain_seconds: float = 0.0
+    plain_tokens: float = 0.0
+    spec_seconds: float = 0.0
+    spec_tokens: float = 0.0
     plain_n: int = 0
     spec_n: int = 0
     decisions: int = 0  # guard decisions taken (drives exploration)
 
+    @property
+    def plain(self) -> float:
+        return self.plain_seconds / self.plain_tokens if self.plain_tokens else 0.0
+
+    @property
+    def spec(self) -> float:
+        return self.spec_seconds / self.spec_tokens if self.spec_tokens else 0.0
+
     def observe(self, speculated: bool, seconds: float, emitted: int,
-                weight: float = 0.1) -> None:
+                decay: float = 0.9) -> None:
         if emitted <= 0 or seconds <= 0:
             return
-        per_token = seconds / emitted
         if speculated:
-            self.spec = per_token if self.spec_n == 0 else self.spec + weight * (
-                per_token - self.spec)
+            self.spec_seconds = self.spec_seconds * decay + seconds
+            self.spec_tokens = self.spec_tokens * decay + emitted
             self.spec_n += 1
         else:
-            self.plain = per_token if self.plain_n == 0 else self.plain + weight * (
-                per_token - self.plain)
+            self.plain_seconds = self.plain_seconds * decay + seconds
+            self.plain_tokens = self.plain_tokens * decay + emitted
             self.plain_n += 1
 
 

@@ -33,9 +33,6 @@ class Proposer(Protocol):
     cheap: bool
     # Seconds of one proposal step (a draft model's forward pass; 0 for lookups).
     step_seconds: float
-    # Seconds of the last propose() spent writing histories the proposer had not seen (a
-    # draft model's prefill of a prompt): paid once per request, not by the step.
-    prefill_seconds: float
 
     def propose(self, requests: list[Request], counts: list[int]) -> list[list[int]]: ...
 
@@ -43,6 +40,10 @@ class Proposer(Protocol):
 
     def reset(self) -> None:
         """Forget what is shared between requests (with the prefix cache)."""
+
+    def cold(self, request: Request) -> bool:
+        """Whether proposing for the request first means writing a long history into the
+        proposer (a draft model's prefill of its prompt): a cost paid once, in that step."""
 
 
 def build_proposer(config: SpeculativeConfig, **draft_kwargs) -> Proposer:
@@ -63,6 +64,11 @@ class Speculator:
     # start-up with short contexts and greedy rows, and miss the per-row work of long
     # contexts and sampling parameters; a marginal prediction must not become a loss.
     MIN_GAIN = 1.05
+    # A cold request (see Proposer.cold) joins a plan only where it promises 1.5x or more:
+    # its prefill in the draft model costs as much as a few hundred of its proposal rows,
+    # paid back over many speculating steps by one user on an idle server, never by a busy
+    # batch (where the plan's gain is small and the prefills would come all at once).
+    COLD_GAIN = 1.5
 
     def __init__(self, config: SpeculativeConfig, proposer: Proposer, cost: StepCost,
                  max_num_batched_tokens: int) -> None:
@@ -76,14 +82,12 @@ class Speculator:
         self.arms: dict[int, ArmStats] = {}
         self.guard = True  # False: the cost model alone decides (tests that need drafts)
         self._bucket = 0  # the batch-size range of the step being prepared
-        self._prefill_seconds = 0.0  # of the step being prepared (see observe)
         self.pool = AcceptancePool()  # the proposer's recent acceptance over all requests
 
     def prepare(self, running: list[Request], waiting: list[Request]) -> int:
         """Set the draft tokens of the running requests for the next step; returns how
         many were proposed."""
         start = time.perf_counter()
-        self._prefill_seconds = 0.0
         decoding, pending = [], 0
         for r in running:
             r.draft_token_ids = []
@@ -107,6 +111,10 @@ class Speculator:
         # Planned as if every proposal were found: under load nothing is asked for at all.
         counts = plan_drafts(acceptance, limits, **plan_kw)
         chosen = [i for i, c in enumerate(counts) if c]
+        cold = {i for i in chosen if not self.proposer.cheap and self.proposer.cold(decoding[i])}
+        if cold and not any(plan_drafts(acceptance, limits,
+                                        **{**plan_kw, "min_gain": self.COLD_GAIN})):
+            chosen = [i for i in chosen if i not in cold]
         if chosen and self.guard:
             arm = self.arms.setdefault(self._bucket, ArmStats())
             allowed = guard_allows(arm, arm.decisions)
@@ -126,7 +134,6 @@ class Speculator:
         elif chosen:
             found = self.proposer.propose([decoding[i] for i in chosen],
                                           [counts[i] for i in chosen])
-            self._prefill_seconds = self.proposer.prefill_seconds
             for i, p in zip(chosen, found):
                 proposals[i] = p[:counts[i]]
         total = 0
@@ -140,8 +147,9 @@ class Speculator:
                 seconds: float) -> None:
         """Account a step that ran (``seconds`` from prepare() to the scheduler's update):
         decode-only steps feed the guard's measurements; steps with prompt chunks, whose
-        cost is mostly the prompt's, do not. A draft model's prefill of a prompt, done by the
-        first step that speculates for the request, is not counted as that step's cost."""
+        cost is mostly the prompt's, do not. A draft model's prefill of a request's prompt is
+        part of the first step that speculates for it: a cost of speculating, spread by the
+        arm's sums over the steps that follow."""
         for s in sched.scheduled:
             if s.num_draft_tokens:
                 emitted = len(result.sampled_token_ids.get(s.request_id, ()))
@@ -154,7 +162,7 @@ class Speculator:
                                    ArmStats())
         self._bucket = 0
         arm.observe(any(s.num_draft_tokens for s in sched.scheduled),
-                    seconds - self._prefill_seconds,
+                    seconds,
                     sum(len(t) for t in result.sampled_token_ids.values()))
 
     def free(self, request_id: str) -> None:
