@@ -69,6 +69,9 @@ class Speculator:
     # paid back over many speculating steps by one user on an idle server, never by a busy
     # batch (where the plan's gain is small and the prefills would come all at once).
     COLD_GAIN = 1.5
+    # Until the proposer's acceptance is known (this many draft tokens verified), one cold
+    # request a step joins regardless: the plan's gain depends on the acceptance it learns.
+    LEARN_TOKENS = 32
 
     def __init__(self, config: SpeculativeConfig, proposer: Proposer, cost: StepCost,
                  max_num_batched_tokens: int) -> None:
@@ -111,10 +114,11 @@ class Speculator:
         # Planned as if every proposal were found: under load nothing is asked for at all.
         counts = plan_drafts(acceptance, limits, **plan_kw)
         chosen = [i for i, c in enumerate(counts) if c]
-        cold = {i for i in chosen if not self.proposer.cheap and self.proposer.cold(decoding[i])}
+        cold = [i for i in chosen if not self.proposer.cheap and self.proposer.cold(decoding[i])]
         if cold and not any(plan_drafts(acceptance, limits,
                                         **{**plan_kw, "min_gain": self.COLD_GAIN})):
-            chosen = [i for i in chosen if i not in cold]
+            learning = cold[:1] if self.pool.drafted < self.LEARN_TOKENS else []
+            chosen = [i for i in chosen if i not in cold or i in learning]
         if chosen and self.guard:
             arm = self.arms.setdefault(self._bucket, ArmStats())
             allowed = guard_allows(arm, arm.decisions)
