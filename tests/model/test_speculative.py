@@ -25,7 +25,7 @@ def speculate_always(speculator) -> None:
     stands aside: every proposal found is verified, however rarely drafts are accepted."""
     speculator.cost = FREE_ROWS
     speculator.guard = False
-    speculator.MIN_GAIN = 1.0
+    speculator.MIN_GAIN = speculator.MODEL_GAIN = 1.0
     speculator.proposer.step_seconds = 0.0
 
 

@@ -7,10 +7,10 @@ runs ``k`` passes, all requests batched in each: the first takes the tokens the 
 emitted since the last proposal (the bonus token, a draft the last pass did not write, the
 tokens of steps that did not speculate) with the last known token, and proposes from its
 last row; the others take one token each. A longer history not yet in the cache (the
-prompt, the first time: the request is ``cold``) is written before, in passes of the
-engine's token budget: the request's prefill in the draft, paid once, which the Speculator
-asks for only where speculation promises much (one user on an idle server). A proposal that
-the target then accepts is already in the draft's cache: the next call starts after it.
+prompt, the first time) is written before, in passes of the engine's token budget: the
+request's prefill in the draft, paid once, which is why the Speculator engages a draft model
+only where speculation promises much (one user on an idle server). A proposal that the
+target then accepts is already in the draft's cache: the next call starts after it.
 
 Proposals are greedy, so each is deterministic given the history, and the target's rule
 for deterministic proposals (keep a draft while the target's own sample equals it) is exact
@@ -133,13 +133,6 @@ class DraftProposer:
 
     def reset(self) -> None:
         pass  # its KV cache holds running requests only: nothing shared to forget
-
-    def cold(self, request: Request) -> bool:
-        """Whether proposing for ``request`` first writes more of its history than one
-        proposal pass takes (its prompt the first time; a long run of plain steps)."""
-        seq = self._seqs.get(request.request_id)
-        computed = 0 if seq is None else seq.num_computed + _kept(seq, request.all_token_ids)
-        return request.num_tokens - 1 - computed > self.num_speculative_tokens + 1
 
     # ---- internals -----------------------------------------------------------------------
 

@@ -54,6 +54,3 @@ class NgramProposer:
 
     def reset(self) -> None:
         pass  # nothing shared between requests
-
-    def cold(self, request) -> bool:
-        return False  # a lookup has nothing to catch up on

@@ -107,9 +107,9 @@ def acceptance_estimate(accepted: int, drafted: int, prior: float,
                         weight: float = 2.0) -> float:
     """A request's acceptance rate per draft token: its own counts, smoothed towards
     ``prior`` (the pool's rate) as if ``weight`` drafts had been verified at that rate. A new
-    request starts at what its proposer achieves on the others (a draft model that agrees
-    with its target 95% of the time drafts fully from the first step), and its own record
-    takes over as it grows."""
+    request of a draft model starts at what the draft achieves on the others (one that
+    agrees with its target 95% of the time drafts fully from the first step), and its own
+    record takes over as it grows."""
     return (accepted + weight * prior) / (drafted + weight)
 
 

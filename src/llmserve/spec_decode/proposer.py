@@ -41,10 +41,6 @@ class Proposer(Protocol):
     def reset(self) -> None:
         """Forget what is shared between requests (with the prefix cache)."""
 
-    def cold(self, request: Request) -> bool:
-        """Whether proposing for the request first means writing a long history into the
-        proposer (a draft model's prefill of its prompt): a cost paid once, in that step."""
-
 
 def build_proposer(config: SpeculativeConfig, **draft_kwargs) -> Proposer:
     if config.method == "ngram":
@@ -64,13 +60,14 @@ class Speculator:
     # start-up with short contexts and greedy rows, and miss the per-row work of long
     # contexts and sampling parameters; a marginal prediction must not become a loss.
     MIN_GAIN = 1.05
-    # A cold request (see Proposer.cold) joins a plan only where it promises 1.5x or more:
-    # its prefill in the draft model costs as much as a few hundred of its proposal rows,
+    # A proposer that runs a model speculates only where the plan promises 1.5x or more:
+    # its passes are timed at start-up for one request and cost more in a batch, and a
+    # request it has not seen first has its prompt written into the draft's cache, a cost
     # paid back over many speculating steps by one user on an idle server, never by a busy
     # batch (where the plan's gain is small and the prefills would come all at once).
-    COLD_GAIN = 1.5
-    # Until the proposer's acceptance is known (this many draft tokens verified), one cold
-    # request a step joins regardless: the plan's gain depends on the acceptance it learns.
+    MODEL_GAIN = 1.5
+    # Until the proposer's acceptance is known (this many draft tokens verified), one
+    # request a step speculates on the plan's MIN_GAIN: the gain depends on what it learns.
     LEARN_TOKENS = 32
 
     def __init__(self, config: SpeculativeConfig, proposer: Proposer, cost: StepCost,
@@ -108,17 +105,17 @@ class Speculator:
         plan_kw = dict(num_sampling=len(decoding), num_tokens=base,
                        budget=self.budget - base, cost=self.cost,
                        propose_seconds=self.proposer.step_seconds, min_gain=self.MIN_GAIN)
-        prior = self.pool.rate
+        # A draft model's acceptance is a property of the model pair: a new request starts
+        # from the pool's. A lookup's is one of the request's text: it starts from 1/2.
+        prior = 0.5 if self.proposer.cheap else self.pool.rate
         acceptance = [acceptance_estimate(r.num_accepted_tokens, r.num_draft_tokens, prior)
                       for r in decoding]
         # Planned as if every proposal were found: under load nothing is asked for at all.
         counts = plan_drafts(acceptance, limits, **plan_kw)
         chosen = [i for i, c in enumerate(counts) if c]
-        cold = [i for i in chosen if not self.proposer.cheap and self.proposer.cold(decoding[i])]
-        if cold and not any(plan_drafts(acceptance, limits,
-                                        **{**plan_kw, "min_gain": self.COLD_GAIN})):
-            learning = cold[:1] if self.pool.drafted < self.LEARN_TOKENS else []
-            chosen = [i for i in chosen if i not in cold or i in learning]
+        if chosen and not self.proposer.cheap and not any(
+                plan_drafts(acceptance, limits, **{**plan_kw, "min_gain": self.MODEL_GAIN})):
+            chosen = chosen[:1] if self.pool.drafted < self.LEARN_TOKENS else []
         if chosen and self.guard:
             arm = self.arms.setdefault(self._bucket, ArmStats())
             allowed = guard_allows(arm, arm.decisions)
