@@ -329,6 +329,29 @@ def test_a_model_proposer_speculates_only_for_a_large_gain(cheap, cost, known, d
     assert [bool(r.draft_token_ids) for r in requests] == drafted
 
 
+@pytest.mark.parametrize("cheap", [True, False])
+def test_a_model_proposer_waits_for_decode_only_steps(cheap):
+    """A prompt waiting to be prefilled makes the next step mixed: a lookup speculates
+    there, a draft model does not (the guard measures decode-only steps alone)."""
+
+    class Proposer(NgramProposer):
+        pass
+
+    Proposer.cheap = cheap
+    free_rows = StepCost([(1, 0.010), (1 << 20, 0.010)])
+    spec = Speculator(SpeculativeConfig(method="ngram", num_speculative_tokens=4),
+                      Proposer(1, 4), free_rows, 256)
+    spec.guard = False
+    spec.pool = AcceptancePool(accepted=90, drafted=100)
+    running = Request("a", [1, 2, 3, 1, 2, 3, 1, 2], SamplingParams(max_tokens=64),
+                      max_tokens=64)
+    running.num_computed_tokens = running.num_tokens - 1
+    running.status = RequestStatus.RUNNING
+    waiting = Request("b", list(range(40)), SamplingParams(max_tokens=8), max_tokens=8)
+    assert (spec.prepare([running], [waiting]) > 0) == cheap
+    assert spec.prepare([running], []) > 0
+
+
 def test_acceptance_pool_is_a_decayed_rate_over_all_requests():
     pool = AcceptancePool(decay=0.9)
     assert pool.rate == 0.5  # nothing verified: no opinion

@@ -60,11 +60,11 @@ class Speculator:
     # start-up with short contexts and greedy rows, and miss the per-row work of long
     # contexts and sampling parameters; a marginal prediction must not become a loss.
     MIN_GAIN = 1.05
-    # A proposer that runs a model speculates only where the plan promises 1.5x or more:
-    # its passes are timed at start-up for one request and cost more in a batch, and a
-    # request it has not seen first has its prompt written into the draft's cache, a cost
-    # paid back over many speculating steps by one user on an idle server, never by a busy
-    # batch (where the plan's gain is small and the prefills would come all at once).
+    # A proposer that runs a model speculates only in decode-only steps (see prepare) and
+    # where the plan promises 1.5x or more: its passes are timed at start-up for one
+    # request and cost more in a batch, and a request it has not seen first has its prompt
+    # written into the draft's cache, a cost paid back over many speculating steps by one
+    # user on an idle server, never by a busy batch (small gains, prefills all at once).
     MODEL_GAIN = 1.5
     # Until the proposer's acceptance is known (this many draft tokens verified), one
     # request a step speculates on the plan's MIN_GAIN: the gain depends on what it learns.
@@ -99,6 +99,11 @@ class Speculator:
         base = min(pending, self.budget)
         self._bucket = batch_bucket(len(decoding))
         if not decoding or base >= self.budget:
+            return 0
+        if not self.proposer.cheap and base > len(decoding):
+            # A draft model speculates in decode-only steps, the ones the guard measures: a
+            # prompt chunk in the step makes extra rows look free to the plan, but not the
+            # draft's passes for the whole batch nor its prefill of each new request.
             return 0
         k = self.config.num_speculative_tokens
         limits = [max(0, min(k, r.max_tokens - r.num_output_tokens - 1)) for r in decoding]
