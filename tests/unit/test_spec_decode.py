@@ -372,15 +372,21 @@ def test_a_new_request_starts_from_the_pools_rate():
     assert acceptance_estimate(2, 20, prior=0.9) == pytest.approx((2 + 1.8) / 22)
 
 
-def test_the_speculator_pools_acceptance_from_every_verification():
+@pytest.mark.parametrize("cheap", [False, True])
+def test_a_draft_models_speculator_pools_acceptance_from_every_verification(cheap):
+    class Proposer(NgramProposer):
+        pass
+
+    Proposer.cheap = cheap
     spec = Speculator(SpeculativeConfig(method="ngram", num_speculative_tokens=4),
-                      NgramProposer(1, 4), StepCost([(1, 0.01), (64, 0.2)]), 256)
+                      Proposer(1, 4), StepCost([(1, 0.01), (64, 0.2)]), 256)
     params = SamplingParams(max_tokens=8)
     mixed = SchedulerOutput([ScheduledRequest("a", [1] * 5, 10, [[0]], True, params,
                                               num_draft_tokens=4),
                              ScheduledRequest("c", [1] * 40, 0, [[0]], True, params)], 45)
     spec.observe(mixed, ModelRunnerOutput({"a": [5, 6, 7], "c": [9]}), 0.5)
-    assert (spec.pool.drafted, spec.pool.accepted) == (4, 2)  # mixed steps count here too
+    # Mixed steps count here too; a lookup's requests keep their own prior (no pool).
+    assert (spec.pool.drafted, spec.pool.accepted) == ((0, 0) if cheap else (4, 2))
 
 
 # ---- the configuration ------------------------------------------------------------------

@@ -82,7 +82,7 @@ class Speculator:
         self.arms: dict[int, ArmStats] = {}
         self.guard = True  # False: the cost model alone decides (tests that need drafts)
         self._bucket = 0  # the batch-size range of the step being prepared
-        self.pool = AcceptancePool()  # the proposer's recent acceptance over all requests
+        self.pool = AcceptancePool()  # a draft model's recent acceptance over all requests
 
     def prepare(self, running: list[Request], waiting: list[Request]) -> int:
         """Set the draft tokens of the running requests for the next step; returns how
@@ -156,10 +156,11 @@ class Speculator:
         cost is mostly the prompt's, do not. A draft model's prefill of a request's prompt is
         part of the first step that speculates for it: a cost of speculating, spread by the
         arm's sums over the steps that follow."""
-        for s in sched.scheduled:
-            if s.num_draft_tokens:
-                emitted = len(result.sampled_token_ids.get(s.request_id, ()))
-                self.pool.observe(s.num_draft_tokens, max(emitted - 1, 0))
+        if not self.proposer.cheap:  # the pool is a draft model's prior (see prepare)
+            for s in sched.scheduled:
+                if s.num_draft_tokens:
+                    emitted = len(result.sampled_token_ids.get(s.request_id, ()))
+                    self.pool.observe(s.num_draft_tokens, max(emitted - 1, 0))
         if not sched.scheduled or any(s.num_tokens != 1 + s.num_draft_tokens
                                       for s in sched.scheduled):
             return
@@ -167,8 +168,7 @@ class Speculator:
         arm = self.arms.setdefault(self._bucket or batch_bucket(len(sched.scheduled)),
                                    ArmStats())
         self._bucket = 0
-        arm.observe(any(s.num_draft_tokens for s in sched.scheduled),
-                    seconds,
+        arm.observe(any(s.num_draft_tokens for s in sched.scheduled), seconds,
                     sum(len(t) for t in result.sampled_token_ids.values()))
 
     def free(self, request_id: str) -> None:
