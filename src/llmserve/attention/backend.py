@@ -39,6 +39,12 @@ class AttentionBackend(Protocol):
         """Derive once per step whatever the per-layer ``forward`` needs."""
         ...
 
+    def allocate_kv_cache(self, name: str, num_blocks: int, block_size: int,
+                          num_kv_heads: int, head_dim: int, device: torch.device) -> Any:
+        """One layer's paged cache in the layout this backend reads (``name``: a KV cache
+        dtype, see ``kv_format``)."""
+        ...
+
     def rebind(self, metadata: Any, layout: BatchLayout) -> Any:
         """``metadata`` of the same step for another KV cache group: ``layout`` differs
         only in its block tables and slot mapping."""
@@ -62,7 +68,8 @@ class AttentionContext:
 
     backend: AttentionBackend
     metadata: list[Any]  # one per layer: its KV cache group's
-    kv_caches: list[PagedKVCache]  # one per layer (layers of different groups share one)
+    # One per layer, in the backend's layout (layers of different groups share one).
+    kv_caches: list[Any]
 
 
 _BACKENDS: dict[str, type] = {}
@@ -79,14 +86,12 @@ def register_attention_backend(name: str):
 
 def get_attention_backend(name: str, device: torch.device | str = "cpu",
                           block_size: int = 16) -> AttentionBackend:
-    """``auto``: the compiled kernel on CPU when it is available and ``block_size`` a multiple
-    of 16 (its vector width), else ``torch_paged``."""
+    """``auto``: on CPU the compiled kernel when it is available and ``block_size`` a
+    multiple of 16 (its vector width); on CUDA the Triton kernels when Triton is installed;
+    else ``torch_paged``."""
     _register_builtin()
     if name == "auto":
-        from llmserve.csrc import cpu_ops
-
-        usable = torch.device(device).type == "cpu" and block_size % 16 == 0
-        name = "cpu_paged" if usable and cpu_ops() else "torch_paged"
+        name = _auto_backend(torch.device(device), block_size)
     if name not in _BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose from {sorted(_BACKENDS)}")
     return _BACKENDS[name]()
@@ -97,6 +102,18 @@ def list_attention_backends() -> list[str]:
     return ["auto", *sorted(_BACKENDS)]
 
 
+def _auto_backend(device: torch.device, block_size: int) -> str:
+    if device.type == "cuda":
+        import importlib.util
+
+        return "triton_paged" if importlib.util.find_spec("triton") else "torch_paged"
+    from llmserve.csrc import cpu_ops
+
+    usable = device.type == "cpu" and block_size % 16 == 0
+    return "cpu_paged" if usable and cpu_ops() else "torch_paged"
+
+
 def _register_builtin() -> None:
     import llmserve.attention.cpu_paged
-    import llmserve.attention.torch_paged  # noqa: F401
+    import llmserve.attention.torch_paged
+    import llmserve.attention.triton_paged  # noqa: F401

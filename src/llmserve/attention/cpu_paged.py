@@ -46,6 +46,12 @@ class CpuPagedBackend:
         return CpuPagedMetadata(layout.slot_mapping, layout.block_tables.contiguous(),
                                 query_start, layout.positions)
 
+    def allocate_kv_cache(self, name: str, num_blocks: int, block_size: int,
+                          num_kv_heads: int, head_dim: int,
+                          device: torch.device) -> PagedKVCache:
+        return PagedKVCache.allocate(name, num_blocks, block_size, num_kv_heads, head_dim,
+                                     device)
+
     def rebind(self, metadata: CpuPagedMetadata, layout: BatchLayout) -> CpuPagedMetadata:
         return replace(metadata, slot_mapping=layout.slot_mapping,
                        block_tables=layout.block_tables.contiguous())

@@ -144,6 +144,12 @@ class TorchPagedBackend:
                               len(seqs), max_q, context_len, q_index, mask, q_pos, tiles,
                               chunk)
 
+    def allocate_kv_cache(self, name: str, num_blocks: int, block_size: int,
+                          num_kv_heads: int, head_dim: int,
+                          device: torch.device) -> PagedKVCache:
+        return PagedKVCache.allocate(name, num_blocks, block_size, num_kv_heads, head_dim,
+                                     device)
+
     def rebind(self, metadata: TorchPagedMetadata, layout: BatchLayout) -> TorchPagedMetadata:
         """The step's metadata with another KV cache group's block tables and slots: the
         masks, tiles and gather buffers are shared, the gathered block ids are the group's."""

@@ -25,7 +25,6 @@ from torch import nn
 
 from llmserve.attention import AttentionContext, get_attention_backend
 from llmserve.attention.backend import BatchLayout
-from llmserve.attention.kv_format import PagedKVCache
 from llmserve.models.arch_config import ArchConfig
 from llmserve.sample import Sampler
 from llmserve.sample.ops import apply_token_bitmask, topk_logprobs
@@ -57,12 +56,13 @@ class ModelRunner:
             raise ValueError(f"kv_groups must split the {cfg.num_hidden_layers} layers into "
                              f"groups of one size, got {groups}")
         # Layer j of every group stores its KV in the j-th tensor, at the group's block ids.
-        tensors = [PagedKVCache.allocate(kv_cache_dtype, num_blocks, block_size,
-                                         cfg.num_key_value_heads, cfg.head_dim, self.device)
+        tensors = [self.backend.allocate_kv_cache(kv_cache_dtype, num_blocks, block_size,
+                                                  cfg.num_key_value_heads, cfg.head_dim,
+                                                  self.device)
                    for _ in groups[0]]
         self.num_groups = len(groups)
         self.layer_group = [0] * cfg.num_hidden_layers
-        self.kv_caches: list[PagedKVCache] = [tensors[0]] * cfg.num_hidden_layers
+        self.kv_caches = [tensors[0]] * cfg.num_hidden_layers
         for g, layers in enumerate(groups):
             for j, layer in enumerate(layers):
                 self.layer_group[layer] = g

@@ -11,7 +11,6 @@ from torch import nn
 
 from llmserve.attention import AttentionContext, get_attention_backend
 from llmserve.attention.backend import BatchLayout
-from llmserve.attention.kv_format import PagedKVCache
 
 
 @torch.inference_mode()
@@ -23,10 +22,10 @@ def sequence_logits(model: nn.Module, token_ids: list[int], *, block_size: int =
     device = next(model.parameters()).device
     n = len(token_ids)
     num_blocks = -(-n // block_size)
-    kv_caches = [PagedKVCache.allocate(kv_cache_dtype, num_blocks, block_size,
-                                       cfg.num_key_value_heads, cfg.head_dim, device)
-                 for _ in range(cfg.num_hidden_layers)]
     attn = get_attention_backend(backend, device, block_size)
+    kv_caches = [attn.allocate_kv_cache(kv_cache_dtype, num_blocks, block_size,
+                                        cfg.num_key_value_heads, cfg.head_dim, device)
+                 for _ in range(cfg.num_hidden_layers)]
     positions = torch.arange(n, device=device)
     layout = BatchLayout(slot_mapping=positions.clone(),
                          block_tables=torch.arange(num_blocks, device=device).view(1, -1),
@@ -34,7 +33,7 @@ def sequence_logits(model: nn.Module, token_ids: list[int], *, block_size: int =
                          block_size=block_size)
     ctx = AttentionContext(attn, [attn.build_metadata(layout)] * len(kv_caches), kv_caches)
     ids = torch.tensor(token_ids, dtype=torch.int64, device=device)
-    return model.compute_logits(model(ids, positions, ctx))
+    return model.compute_logits(model(ids, positions, ctx)).float()
 
 
 def perplexity(model: nn.Module, token_ids: list[int], *, window: int = 1024,

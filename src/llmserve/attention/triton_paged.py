@@ -1,0 +1,230 @@
+"""Paged attention on the GPU: Triton kernels over a KV layout of their own.
+
+The cache of one layer is ``[blocks, block_size, Hkv, D]`` for keys and for values (a
+token's heads side by side, each head's vector contiguous: what a kernel tile of keys
+loads as rows), in bfloat16, float16, float32 or fp8 (e4m3, with one float32 scale per
+token and KV head, as on CPU). New keys and values are written by slot with one indexed
+copy each, which CUDA graphs capture.
+
+Attention itself is ``triton_kernels.paged_attention_kernel``: prefill chunks, decodes and
+speculative verification rows in one launch, each query tile reading only the blocks its
+rows can see; contexts longer than ``SEGMENT`` keys are split over programs (split-K) and
+folded by a second kernel. The kernels' docstring says why a row gets the same bits alone
+and in any batch. This module imports Triton on construction only: the CPU backends never
+need it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from llmserve.attention.backend import BatchLayout, register_attention_backend
+
+SEGMENT = 512  # keys per split-K segment (a multiple of BLOCK_N)
+BLOCK_N = 64  # keys per tile
+BLOCK_M = 64  # query rows per program: BLOCK_Q tokens x the query heads of one KV head
+
+# name -> (storage dtype, largest code for scaled formats, or None when stored as is)
+GPU_KV_CACHE_DTYPES: dict[str, tuple[torch.dtype, float | None]] = {
+    "float32": (torch.float32, None),
+    "bfloat16": (torch.bfloat16, None),
+    "float16": (torch.float16, None),
+    "fp8_e4m3": (torch.float8_e4m3fn, 448.0),
+}
+
+
+@dataclass
+class TritonKVCache:
+    """One layer's cache in the GPU layout (see the module docstring)."""
+
+    key: torch.Tensor  # [num_blocks, block_size, Hkv, D]
+    value: torch.Tensor
+    key_scale: torch.Tensor | None  # [num_blocks, block_size, Hkv] float32
+    value_scale: torch.Tensor | None
+    max_code: float | None
+
+    @classmethod
+    def allocate(cls, name: str, num_blocks: int, block_size: int, num_kv_heads: int,
+                 head_dim: int, device: torch.device) -> TritonKVCache:
+        if name not in GPU_KV_CACHE_DTYPES:
+            raise ValueError(f"the triton_paged backend stores the KV cache as one of "
+                             f"{sorted(GPU_KV_CACHE_DTYPES)}, not {name!r}")
+        dtype, max_code = GPU_KV_CACHE_DTYPES[name]
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        scales = (None, None) if max_code is None else tuple(
+            torch.zeros(shape[:3], dtype=torch.float32, device=device) for _ in range(2))
+        return cls(torch.zeros(shape, dtype=dtype, device=device),
+                   torch.zeros(shape, dtype=dtype, device=device), *scales, max_code)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.key.shape[0]
+
+    @property
+    def block_size(self) -> int:
+        return self.key.shape[1]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.key.shape[2]
+
+    @property
+    def head_dim(self) -> int:
+        return self.key.shape[3]
+
+    def store(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write ``k``, ``v`` [T, Hkv, D] at cache slots ``slots`` [T] int64."""
+        for cache, scales, x in ((self.key, self.key_scale, k), (self.value, self.value_scale, v)):
+            flat = cache.view(-1, self.num_kv_heads, self.head_dim)
+            if scales is None:
+                flat.index_copy_(0, slots, x.to(cache.dtype))
+                continue
+            x = x.float()
+            s = x.abs().amax(dim=-1).clamp_(min=torch.finfo(torch.float32).tiny)
+            s.div_(self.max_code)  # [T, Hkv]
+            codes = (x / s.unsqueeze(-1)).to(cache.dtype)
+            # As bytes: index_copy_ has no float8 kernel.
+            flat.view(torch.uint8).index_copy_(0, slots, codes.view(torch.uint8))
+            scales.view(-1, self.num_kv_heads).index_copy_(0, slots, s)
+
+    def read(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values at ``slots`` as float32 [n, Hkv, D] (for tests and checks)."""
+        out = []
+        for cache, scales in ((self.key, self.key_scale), (self.value, self.value_scale)):
+            x = cache.view(-1, self.num_kv_heads, self.head_dim)[slots].float()
+            if scales is not None:
+                x = x * scales.view(-1, self.num_kv_heads)[slots].unsqueeze(-1)
+            out.append(x)
+        return out[0], out[1]
+
+
+@dataclass
+class TritonPagedMetadata:
+    slot_mapping: torch.Tensor  # [T] int64
+    block_tables: torch.Tensor  # [B, max_blocks] int64
+    seq_lens: torch.Tensor  # [B] int32: context after this step
+    query_start: torch.Tensor  # [B + 1] int32
+    positions: torch.Tensor  # [T] int64
+    query_lens: list[int]
+    num_segments: int  # the grid's third dimension
+    split: bool  # partials and a fold (always for contexts past one segment)
+    # Query tiles per tokens-per-tile: (tile -> sequence, tile -> first token, count).
+    tiles: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = field(default_factory=dict)
+
+    def tiles_for(self, block_q: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        if block_q not in self.tiles:
+            seqs, firsts, start = [], [], 0
+            for b, n in enumerate(self.query_lens):
+                for first in range(start, start + n, block_q):
+                    seqs.append(b)
+                    firsts.append(first)
+                start += n
+            both = torch.tensor([seqs, firsts], dtype=torch.int32).to(self.positions.device)
+            self.tiles[block_q] = (both[0], both[1], len(seqs))
+        return self.tiles[block_q]
+
+
+@register_attention_backend("triton_paged")
+class TritonPagedBackend:
+    name = "triton_paged"
+
+    def __init__(self) -> None:
+        try:
+            from llmserve.attention import triton_kernels
+        except ImportError as e:
+            raise RuntimeError(f"the triton_paged attention backend needs Triton ({e})"
+                               ) from None
+        self._kernels = triton_kernels
+
+    def allocate_kv_cache(self, name: str, num_blocks: int, block_size: int,
+                          num_kv_heads: int, head_dim: int,
+                          device: torch.device) -> TritonKVCache:
+        return TritonKVCache.allocate(name, num_blocks, block_size, num_kv_heads, head_dim,
+                                      device)
+
+    def build_metadata(self, layout: BatchLayout) -> TritonPagedMetadata:
+        starts = [0]
+        for n in layout.query_lens:
+            starts.append(starts[-1] + n)
+        device = layout.positions.device
+        # One transfer for both: sequence lengths, then query starts.
+        ints = torch.tensor(layout.seq_lens + starts, dtype=torch.int32).to(device)
+        num_b = len(layout.seq_lens)
+        num_segments = -(-max(layout.seq_lens) // SEGMENT)
+        return TritonPagedMetadata(layout.slot_mapping, layout.block_tables, ints[:num_b],
+                                   ints[num_b:], layout.positions, list(layout.query_lens),
+                                   num_segments, num_segments > 1)
+
+    def build_graph_metadata(self, layout: BatchLayout, seq_lens: torch.Tensor,
+                             max_seq_len: int) -> TritonPagedMetadata:
+        """Metadata of a decode batch (one query per sequence) whose tensors are a CUDA
+        graph's static inputs: ``seq_lens`` is filled before each replay, and the grid
+        covers ``max_seq_len`` keys (segments past a row's context do nothing)."""
+        num_b = len(layout.query_lens)
+        device = layout.positions.device
+        arange = torch.arange(num_b + 1, dtype=torch.int32, device=device)
+        meta = TritonPagedMetadata(layout.slot_mapping, layout.block_tables, seq_lens,
+                                   arange, layout.positions, [1] * num_b,
+                                   -(-max_seq_len // SEGMENT), True)
+        for block_q in (1, 2, 4, 8, 16, 32, 64):  # one tile per sequence whatever BLOCK_Q
+            meta.tiles[block_q] = (arange[:num_b], arange[:num_b], num_b)
+        return meta
+
+    def rebind(self, metadata: TritonPagedMetadata, layout: BatchLayout) -> TritonPagedMetadata:
+        return replace(metadata, slot_mapping=layout.slot_mapping,
+                       block_tables=layout.block_tables)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: TritonKVCache, metadata: TritonPagedMetadata,
+                scale: float, window: int | None = None) -> torch.Tensor:
+        kv_cache.store(metadata.slot_mapping, k, v)
+        num_tokens, num_heads, head_dim = q.shape
+        num_kv_heads = kv_cache.num_kv_heads
+        group = num_heads // num_kv_heads
+        group_p = _pow2(group)
+        block_q = max(1, BLOCK_M // group_p)
+        head_p = max(16, _pow2(head_dim))
+        tile_seq, tile_first, num_tiles = metadata.tiles_for(block_q)
+        q = q.contiguous()
+        out = q.new_empty(num_tokens, num_heads, head_dim)
+        nseg = metadata.num_segments
+        if metadata.split:
+            part_m = torch.empty(num_tokens, num_heads, nseg, dtype=torch.float32,
+                                 device=q.device)
+            part_l = torch.empty_like(part_m)
+            part_acc = torch.empty(num_tokens, num_heads, nseg, head_p, dtype=torch.float32,
+                                   device=q.device)
+        else:
+            part_m = part_l = part_acc = out  # unused
+        scaled = kv_cache.key_scale is not None
+        k_scale = kv_cache.key_scale if scaled else kv_cache.key
+        v_scale = kv_cache.value_scale if scaled else kv_cache.value
+        key, value = kv_cache.key, kv_cache.value
+        kern = self._kernels
+        kern.paged_attention_kernel[(num_tiles, num_kv_heads, nseg)](
+            q, key, value, k_scale, v_scale,
+            metadata.block_tables, metadata.seq_lens, metadata.query_start, tile_seq,
+            tile_first, out, part_m, part_l, part_acc,
+            scale, window or 0,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            key.stride(0), key.stride(1), key.stride(2),
+            value.stride(0), value.stride(1), value.stride(2),
+            num_kv_heads * kv_cache.block_size if scaled else 0, num_kv_heads if scaled else 0,
+            metadata.block_tables.stride(0),
+            num_heads * nseg, nseg,
+            GROUP=group, GROUP_P=group_p, BLOCK_Q=block_q, HEAD_DIM=head_dim, HEAD_P=head_p,
+            BLOCK_SIZE=kv_cache.block_size, BLOCK_N=BLOCK_N, SEGMENT=SEGMENT, SCALED=scaled,
+            WINDOWED=window is not None, SPLIT=metadata.split, UPCAST=kern.INTERPRETED)
+        if metadata.split:
+            kern.combine_segments_kernel[(num_tokens, num_heads)](
+                metadata.positions, part_m, part_l, part_acc, out, window or 0,
+                num_heads * nseg, nseg, out.stride(0), out.stride(1),
+                HEAD_DIM=head_dim, HEAD_P=head_p, SEGMENT=SEGMENT,
+                WINDOWED=window is not None)
+        return out.view(num_tokens, num_heads * head_dim)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
