@@ -67,9 +67,15 @@ KERNEL_TESTS = {
 
 
 def pytest_collection_modifyitems(items):
+    import torch
+
+    no_gpu = pytest.mark.skip(reason="needs a CUDA GPU: torch.cuda.is_available() is False "
+                                     "here (run `pytest -m cuda` on a GPU machine)")
     for item in items:
         if item.nodeid.split("::")[0] in KERNEL_TESTS:
             item.add_marker(pytest.mark.kernels)
+        if "cuda" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(no_gpu)
 
 
 def pytest_report_header(config):

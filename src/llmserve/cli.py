@@ -144,16 +144,19 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "w8a8 (int8 weights and int8 activations: faster at large batches, "
                         "~4%% higher perplexity), int4 (group-wise scales), none (dense "
                         "--dtype); auto: what the file holds (a 4-bit GGUF loads as int4)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
-                   help="dtype of weights kept dense")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                   help="dtype of weights kept dense (default: float32 on CPU, bfloat16 on "
+                        "CUDA; float16 on CUDA only)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="on CUDA: run every step eagerly (no CUDA graphs of decode steps)")
     p.add_argument("--int4-group-size", type=int, choices=INT4_GROUP_SIZES, default=32,
                    help="input channels per int4 scale")
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPE_CHOICES, default="auto",
                    help="KV cache storage (8-bit formats keep a scale per token and head; "
                         "auto: --dtype)")
     p.add_argument("--kv-cache-memory", type=float, default=None, metavar="GIB",
-                   help="memory for the KV cache in GiB (default: a tenth of available RAM, "
-                        "0.25 to 2 GiB)")
+                   help="memory for the KV cache in GiB (default: on CPU a tenth of "
+                        "available RAM, 0.25 to 2 GiB; on CUDA half the free device memory)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     p.add_argument("--disable-hybrid-kv-cache", action="store_true",
@@ -189,6 +192,7 @@ def _engine_config(args: argparse.Namespace):
         ModelConfig,
         SchedulerConfig,
         SpeculativeConfig,
+        default_dtype,
     )
 
     speculative = None
@@ -196,7 +200,9 @@ def _engine_config(args: argparse.Namespace):
         speculative = SpeculativeConfig.from_json(args.speculative_config)
     return EngineConfig(
         model=ModelConfig(args.model, args.device, args.max_model_len,
-                          quantization=args.quantization, dtype=args.dtype,
+                          quantization=args.quantization,
+                          dtype=args.dtype or default_dtype(args.device),
+                          enforce_eager=args.enforce_eager,
                           int4_group_size=args.int4_group_size),
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory_gib=args.kv_cache_memory,
                           enable_prefix_caching=not args.no_prefix_caching,

@@ -18,6 +18,8 @@ class ModelConfig:
     quantization: str = "auto"  # auto: what the file holds (GGUF 4-bit -> int4, ...)
     dtype: str = "float32"  # of the weights kept dense
     int4_group_size: int = 32
+    # On CUDA: no CUDA graphs of the decode step (every step runs eagerly).
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if self.max_model_len is not None and self.max_model_len < 1:
@@ -29,6 +31,11 @@ class ModelConfig:
             raise ValueError(f"quantization must be one of {choices}, got {self.quantization!r}")
         # The weight format checks dtype and group size (``auto`` is resolved at load).
         WeightFormat("none", self.dtype, self.int4_group_size)
+
+
+def default_dtype(device: str) -> str:
+    """Dense weights' dtype when none is given: bfloat16 on CUDA, float32 elsewhere."""
+    return "bfloat16" if device.startswith("cuda") else "float32"
 
 
 def quantization_choices() -> tuple[str, ...]:

@@ -1,4 +1,5 @@
-"""How one layer's paged KV cache is stored: float32, bfloat16, fp8 (e4m3) or int8.
+"""How one layer's paged KV cache is stored on CPU: float32, bfloat16, fp8 (e4m3) or int8
+(the GPU backend, ``triton_paged``, has a layout of its own and adds float16).
 
 The 8-bit formats keep one float32 scale per token and KV head (``max|x| / max code``), so
 each stored vector is quantized on its own: a token's cached values do not depend on the
@@ -30,8 +31,12 @@ KV_CACHE_DTYPES: dict[str, tuple[torch.dtype, float | None]] = {
     "fp8_e4m3": (torch.float8_e4m3fn, 448.0),
     "int8": (torch.int8, 127.0),
 }
+# Stored by the GPU backend only (``triton_paged``), for float16 models.
+GPU_ONLY_KV_CACHE_DTYPES: dict[str, tuple[torch.dtype, float | None]] = {
+    "float16": (torch.float16, None),
+}
 _PACKED_PAIRS = ("int8",)  # formats stored in pairs where block_size and head_dim allow
-KV_CACHE_DTYPE_CHOICES = ("auto", *KV_CACHE_DTYPES)
+KV_CACHE_DTYPE_CHOICES = ("auto", *KV_CACHE_DTYPES, *GPU_ONLY_KV_CACHE_DTYPES)
 
 
 def resolve_kv_cache_dtype(name: str, model_dtype: str) -> str:
@@ -43,7 +48,7 @@ def resolve_kv_cache_dtype(name: str, model_dtype: str) -> str:
 
 def kv_bytes_per_vector(name: str, head_dim: int) -> int:
     """Bytes one token's key (or value) of one KV head takes, scales included."""
-    dtype, max_code = KV_CACHE_DTYPES[name]
+    dtype, max_code = {**KV_CACHE_DTYPES, **GPU_ONLY_KV_CACHE_DTYPES}[name]
     return head_dim * dtype.itemsize + (4 if max_code is not None else 0)
 
 
@@ -60,6 +65,9 @@ class PagedKVCache:
     @classmethod
     def allocate(cls, name: str, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, device: torch.device) -> PagedKVCache:
+        if name not in KV_CACHE_DTYPES:
+            raise ValueError(f"a {name} KV cache is stored on GPUs only (the triton_paged "
+                             f"backend); on CPU choose one of {sorted(KV_CACHE_DTYPES)}")
         dtype, max_code = KV_CACHE_DTYPES[name]
         pairs = name in _PACKED_PAIRS and block_size % 2 == 0 and head_dim % 2 == 0
         p = 2 if pairs else 1

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from llmserve.attention.backend import BatchLayout, register_attention_backend
+from llmserve.attention.kv_format import GPU_ONLY_KV_CACHE_DTYPES, KV_CACHE_DTYPES
 
 SEGMENT = 512  # keys per split-K segment (a multiple of BLOCK_N)
 BLOCK_N = 64  # keys per tile
@@ -28,10 +29,8 @@ BLOCK_M = 64  # query rows per program: BLOCK_Q tokens x the query heads of one 
 
 # name -> (storage dtype, largest code for scaled formats, or None when stored as is)
 GPU_KV_CACHE_DTYPES: dict[str, tuple[torch.dtype, float | None]] = {
-    "float32": (torch.float32, None),
-    "bfloat16": (torch.bfloat16, None),
-    "float16": (torch.float16, None),
-    "fp8_e4m3": (torch.float8_e4m3fn, 448.0),
+    name: spec for name, spec in {**KV_CACHE_DTYPES, **GPU_ONLY_KV_CACHE_DTYPES}.items()
+    if name != "int8"  # the CPU kernel's format
 }
 
 

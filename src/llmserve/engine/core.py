@@ -54,7 +54,7 @@ class EngineCore:
                            cache.block_size, kv_bytes_per_vector(kv_dtype, arch.head_dim),
                            kv_dtype, groups)
         num_blocks = cache.num_blocks or num_blocks_for_memory(
-            spec, cache.kv_cache_memory_gib or default_kv_cache_memory_gib())
+            spec, cache.kv_cache_memory_gib or default_kv_cache_memory_gib(mc.device))
         step_tokens = config.scheduler.max_num_batched_tokens
         capacity = spec.max_sequence_tokens(num_blocks, step_tokens)
         if capacity < 1:
@@ -85,6 +85,8 @@ class EngineCore:
                                   seed=config.seed, eos_token_ids=self.eos_token_ids,
                                   kv_groups=[g.layers for g in groups])
         self.kv_cache_seconds = time.perf_counter() - start  # allocating the KV tensors
+        if self.runner.device.type == "cuda" and not mc.enforce_eager:
+            self.runner.capture_cuda_graphs(config.scheduler.max_num_seqs, self.max_model_len)
         self.runner.grammar = GrammarBackend(self.tokenizer, arch.vocab_size,
                                              self.eos_token_ids)
         self.runner.grammar.warm_up()  # llguidance's view of the vocabulary, in background

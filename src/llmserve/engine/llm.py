@@ -34,6 +34,7 @@ class LLM:
                  policy: str = "fcfs", enable_chunked_prefill: bool = True,
                  seed: int = 0, quantization: str = "auto", dtype: str = "float32",
                  int4_group_size: int = 32, kv_cache_dtype: str = "auto",
+                 enforce_eager: bool = False,
                  hybrid_kv_cache: bool = True,
                  speculative_config: dict[str, Any] | SpeculativeConfig | None = None) -> None:
         if speculative_config is not None and not isinstance(speculative_config,
@@ -42,7 +43,7 @@ class LLM:
         config = EngineConfig(
             model=ModelConfig(model=model, device=device, max_model_len=max_model_len,
                               quantization=quantization, dtype=dtype,
-                              int4_group_size=int4_group_size),
+                              int4_group_size=int4_group_size, enforce_eager=enforce_eager),
             cache=CacheConfig(block_size=block_size, kv_cache_memory_gib=kv_cache_memory,
                               num_blocks=num_kv_blocks,
                               enable_prefix_caching=enable_prefix_caching,

@@ -64,8 +64,14 @@ class KVCacheSpec:
         return lo
 
 
-def default_kv_cache_memory_gib() -> float:
-    """A tenth of the memory available now, between 0.25 and 2 GiB."""
+def default_kv_cache_memory_gib(device: str = "cpu") -> float:
+    """On CPU a tenth of the memory available now, between 0.25 and 2 GiB; on CUDA half of
+    the device memory free once the weights are loaded (the rest: activations, graphs)."""
+    if device.startswith("cuda"):
+        import torch
+
+        free, _ = torch.cuda.mem_get_info(torch.device(device))
+        return max(0.25, 0.5 * free / GIB)
     available = psutil.virtual_memory().available / GIB
     return max(0.25, min(2.0, 0.1 * available))
 

@@ -35,8 +35,8 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden``: [N, hidden] at the positions that sample; returns [N, vocab] float32."""
         if self.lm_head is None:
-            return self.model.embed_tokens.logits(hidden)
-        return self.lm_head(hidden)
+            return self.model.embed_tokens.logits(hidden).float()
+        return self.lm_head(hidden).float()
 
     def load_weights(self, weights: Iterable[tuple[str, WeightSource]]) -> None:
         """Load Hugging Face-named tensors (each quantized as it arrives, by the layer it

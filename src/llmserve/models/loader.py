@@ -96,12 +96,16 @@ def load_model(model: str = DEFAULT_MODEL, device: str | torch.device = "cpu", *
     else:
         gguf = GGUFFile(path)
         cfg, tokenizer = _open_gguf(gguf)
-    if quantization == "auto":
-        quantization = _auto_quantization(gguf)
+    on_cpu = torch.device(device).type == "cpu"
+    if quantization == "auto":  # on a GPU: dense (the quantized formats are CPU kernels)
+        quantization = _auto_quantization(gguf) if on_cpu else "none"
     fmt = WeightFormat(quantization, dtype, group_size)
-    if fmt.quantization != "none" and torch.device(device).type != "cpu":
+    if fmt.quantization != "none" and not on_cpu:
         raise ModelLoadError(f"--quantization {fmt.quantization} runs on CPU only; "
                              f"use --quantization none on {device}")
+    if fmt.dtype == "float16" and on_cpu:
+        raise ModelLoadError("--dtype float16 runs on GPUs only; on CPU use float32 or "
+                             "bfloat16")
     if gguf is not None:
         keep_blocks = fmt.quantization == "int4" and fmt.group_size == 32
         weights = gguf.weights(cfg, keep_q4_blocks=keep_blocks)

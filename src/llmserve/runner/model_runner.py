@@ -26,6 +26,7 @@ from torch import nn
 from llmserve.attention import AttentionContext, get_attention_backend
 from llmserve.attention.backend import BatchLayout
 from llmserve.models.arch_config import ArchConfig
+from llmserve.runner.cuda_graphs import DecodeGraphs
 from llmserve.sample import Sampler
 from llmserve.sample.ops import apply_token_bitmask, topk_logprobs
 from llmserve.sample.sampler import SamplingRow
@@ -56,7 +57,10 @@ class ModelRunner:
             raise ValueError(f"kv_groups must split the {cfg.num_hidden_layers} layers into "
                              f"groups of one size, got {groups}")
         # Layer j of every group stores its KV in the j-th tensor, at the group's block ids.
-        tensors = [self.backend.allocate_kv_cache(kv_cache_dtype, num_blocks, block_size,
+        # On a GPU one block more: the scratch slots that padded CUDA-graph rows write to.
+        self.num_blocks = num_blocks
+        extra = 1 if self.device.type == "cuda" else 0
+        tensors = [self.backend.allocate_kv_cache(kv_cache_dtype, num_blocks + extra, block_size,
                                                   cfg.num_key_value_heads, cfg.head_dim,
                                                   self.device)
                    for _ in groups[0]]
@@ -73,6 +77,20 @@ class ModelRunner:
         self.grammar: GrammarBackend | None = None
         self._seeds: dict[str, int] = {}  # per request: the base of its tokens' seeds
         self._seed_source = torch.Generator().manual_seed(seed)
+        self.graphs: DecodeGraphs | None = None  # see capture_cuda_graphs
+
+    def capture_cuda_graphs(self, max_batch: int, max_seq_len: int) -> DecodeGraphs:
+        """Capture the decode step for batches up to ``max_batch`` and contexts up to
+        ``max_seq_len`` (``runner/cuda_graphs.py``); later decode-only steps replay them."""
+        if self.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, not {self.device}")
+        if not hasattr(self.backend, "build_graph_metadata"):
+            raise ValueError(f"the {self.backend.name} attention backend cannot be captured "
+                             "in a CUDA graph; use triton_paged or --enforce-eager")
+        graphs = DecodeGraphs(self, max_batch, max_seq_len, self.num_blocks * self.block_size)
+        graphs.capture()
+        self.graphs = graphs
+        return graphs
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -151,9 +169,21 @@ class ModelRunner:
         return best
 
     def _forward(self, sched: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor]:
-        """Hidden states [T, hidden] of every scheduled token; ends [B]: row of each request's
-        last token."""
-        input_ids, layouts = self._prepare(sched)
+        """Hidden states [T, hidden] of every scheduled token; ends [B] (on the host): row of
+        each request's last token."""
+        items = sched.scheduled
+        query_lens = [s.num_tokens for s in items]
+        seq_lens = [s.start_pos + s.num_tokens for s in items]
+        input_ids, positions, tables, slots = self._prepare(sched)
+        if self.graphs is not None and self.graphs.fits(query_lens, seq_lens, tables.shape[2]):
+            hidden = self.graphs.run(input_ids, positions, slots, tables, seq_lens)
+            return hidden, torch.arange(len(items))
+        dev = self.device
+        input_ids, positions, tables, slots = (input_ids.to(dev), positions.to(dev),
+                                               tables.to(dev), slots.to(dev))
+        layouts = [BatchLayout(slot_mapping=slots[g], block_tables=tables[g],
+                               positions=positions, query_lens=query_lens, seq_lens=seq_lens,
+                               block_size=self.block_size) for g in range(self.num_groups)]
         metadata = [self.backend.build_metadata(layouts[0])]
         metadata += [self.backend.rebind(metadata[0], layout) for layout in layouts[1:]]
         ctx = AttentionContext(self.backend, [metadata[g] for g in self.layer_group],
@@ -161,7 +191,7 @@ class ModelRunner:
         layout = layouts[0]
         hidden = self.model(input_ids, layout.positions, ctx)
         ends = torch.cumsum(torch.tensor(layout.query_lens), 0) - 1
-        return hidden, ends.to(hidden.device)
+        return hidden, ends
 
     @staticmethod
     def _constrained_rows(sampling: list[tuple[int, ScheduledRequest]]) -> torch.Tensor:
@@ -202,12 +232,12 @@ class ModelRunner:
                                         s.sampling_params.prompt_logprobs)
         return first_target, list(zip(ids.tolist(), lps.tolist(), ranks.tolist()))
 
-    def _prepare(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[BatchLayout]]:
-        """Flatten the step: token ids, positions, and per KV cache group the slot mapping
-        and padded block tables."""
+    def _prepare(self, sched: SchedulerOutput
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Flatten the step on the host: token ids [T], positions [T], and per KV cache
+        group the padded block tables [G, B, max_blocks] and slot mapping [G, T]."""
         items = sched.scheduled
         query_lens = [s.num_tokens for s in items]
-        seq_lens = [s.start_pos + s.num_tokens for s in items]
         input_ids = torch.tensor([t for s in items for t in s.token_ids], dtype=torch.int64)
         positions = torch.cat([torch.arange(s.start_pos, s.start_pos + s.num_tokens)
                                for s in items])
@@ -220,12 +250,7 @@ class ModelRunner:
         tables = tables.view(self.num_groups, len(items), max_blocks)  # [G, B, max_blocks]
         slots = (tables[:, seq_of_token, positions // self.block_size] * self.block_size
                  + positions % self.block_size)  # [G, T]
-        dev = self.device
-        positions, tables, slots = positions.to(dev), tables.to(dev), slots.to(dev)
-        layouts = [BatchLayout(slot_mapping=slots[g], block_tables=tables[g],
-                               positions=positions, query_lens=query_lens, seq_lens=seq_lens,
-                               block_size=self.block_size) for g in groups]
-        return input_ids.to(dev), layouts
+        return input_ids, positions, tables, slots
 
     def _generator(self, request_id: str, seed: int | None, position: int) -> torch.Generator:
         """The generator of the token sampled at ``position``: the same whatever the batch,

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# float16: on GPUs only (the CPU kernels read float32 and bfloat16 weights).
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 INT4_GROUP_SIZES = (32, 64, 128)
 
 

@@ -7,10 +7,11 @@ argument is in the kernel's header; ``dense_reference`` below is the same chain 
 ops, and the tests hold the kernel to it bitwise). bfloat16 weights are widened in
 registers as they are read: half the bytes of float32, the same arithmetic on their values.
 
-Without the compiled kernels (no compiler, ``LLMSERVE_CPU_KERNELS=0``, or another device),
-``F.linear`` runs instead: a bfloat16 weight is widened into a float32 scratch buffer (one
-per shape) and multiplied by the BLAS, whose row results may then depend on the batch
-(MKL's strict mode holds them on Intel CPUs, not on AMD ones).
+Without the compiled kernels (no compiler, ``LLMSERVE_CPU_KERNELS=0``), ``F.linear`` runs
+instead: a bfloat16 weight is widened into a float32 scratch buffer (one per shape) and
+multiplied by the BLAS, whose row results may then depend on the batch (MKL's strict mode
+holds them on Intel CPUs, not on AMD ones). On a GPU the activations are in the weights'
+dtype (bfloat16, float16) and ``F.linear`` runs on the tensor cores.
 """
 
 from __future__ import annotations
@@ -133,9 +134,13 @@ class DenseMethod(LinearMethod):
             if x.dtype != torch.float32 or x.stride(-1) != 1:
                 x = x.to(torch.float32, memory_format=torch.contiguous_format).contiguous()
             return self._ops.dense_linear(x, *self._kernel_args)
-        return F.linear(x, _widened(layer.weight))
+        weight = layer.weight
+        if weight.device.type != "cpu":  # GPUs multiply in the weights' dtype
+            return F.linear(x.to(weight.dtype), weight)
+        return F.linear(x, _widened(weight))
 
     def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         if self._ops is not None:
             return unpack_rows(layer.weight_panels, ids).float()
-        return F.embedding(ids, layer.weight).float()
+        embedded = F.embedding(ids, layer.weight)
+        return embedded if embedded.device.type != "cpu" else embedded.float()

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# One session on a lent GPU machine, from the repository root: the CUDA tests, then
+# benchmarks/cuda_bench.py. Expects .gpu/whl (wheels of what the machine's image lacks:
+# gguf, llguidance, msgspec) and .gpu/tokenizer (SmolLM2's tokenizer, saved), carried along.
+# Writes logs and results to $OUT (default: ./cuda-out).
+set -uo pipefail
+OUT=${OUT:-cuda-out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .gpu/whl/*.whl || exit 1
+export PYTHONPATH=$PWD/src:$PWD:/tmp/site PYTHONUNBUFFERED=1
+export LLMSERVE_CPU_KERNELS=0 LLMSERVE_TEST_TOKENIZER=$PWD/.gpu/tokenizer
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+if [ "${SKIP_TESTS:-0}" != 1 ]; then
+  timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider -x \
+      tests/unit/test_triton_attention.py tests/model/test_cuda.py ${TEST_ARGS:-} \
+      2>&1 | tee "$OUT/pytest.log" | tail -25
+fi
+timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/cuda_bench.py --tokenizer .gpu/tokenizer \
+    --out "$OUT/cuda_bench.json" ${BENCH_ARGS:-} 2>&1 | grep -v " INFO " | tee "$OUT/bench.log" | tail -20

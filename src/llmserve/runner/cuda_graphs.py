@@ -1,0 +1,124 @@
+"""CUDA graphs of the decode step: the model's forward pass captured once per batch size.
+
+A small model's decode step on a GPU is bound by launching its kernels (a few hundred per
+step, each a few microseconds), not by the GPU. A captured graph replays all of them with
+one launch. Graphs are captured at start-up for batch sizes 1, 2, 4, 8 and every multiple
+of 16 up to the largest the scheduler sends (``max_num_seqs``); a decode-only step of B
+sequences replays the smallest graph of at least B, with the rows past B padded:
+
+- a padded row decodes token 0 at position 0 with a context of one key, and writes its key
+  and value into a scratch slot (one block past the cache's blocks) that no table holds;
+- the attention metadata's tensors are the graph's static inputs (``build_graph_metadata``),
+  and its grid covers every segment of the longest context the model allows.
+
+Steps with a prefill chunk or speculative drafts run eagerly (``--enforce-eager``: every
+step). The same kernels run in both, with the same arithmetic per row, so a sequence's
+output does not depend on whether its steps were replayed.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from llmserve.attention import AttentionContext
+from llmserve.attention.backend import BatchLayout
+from llmserve.logger import get_logger
+
+logger = get_logger(__name__)
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    """The batch sizes captured: 1, 2, 4, 8, then every 16 up to ``max_batch`` (itself
+    included)."""
+    sizes = {b for b in (1, 2, 4, 8) if b <= max_batch}
+    sizes |= set(range(16, max_batch + 1, 16)) | {max_batch}
+    return sorted(sizes)
+
+
+class DecodeGraphs:
+    """The captured graphs of one runner and their static inputs."""
+
+    def __init__(self, runner, max_batch: int, max_seq_len: int, scratch_slot: int) -> None:
+        """``runner``: a ``ModelRunner`` whose attention backend builds graph metadata;
+        ``scratch_slot``: a cache slot outside every block table (padded rows write there)."""
+        self.runner = runner
+        self.buckets = batch_buckets(max_batch)
+        self.max_seq_len = max_seq_len
+        self.scratch_slot = scratch_slot
+        dev = runner.device
+        groups = runner.num_groups
+        width = -(-max_seq_len // runner.block_size)
+        self.input_ids = torch.zeros(max_batch, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(max_batch, dtype=torch.int64, device=dev)
+        self.slots = torch.full((groups, max_batch), scratch_slot, dtype=torch.int64, device=dev)
+        self.tables = torch.zeros(groups, max_batch, width, dtype=torch.int64, device=dev)
+        self.seq_lens = torch.ones(max_batch, dtype=torch.int32, device=dev)
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, object]] = {}
+        self.capture_seconds = 0.0
+        self.replays = 0  # steps served by a graph (tests, metrics)
+
+    @property
+    def max_batch(self) -> int:
+        return self.buckets[-1]
+
+    def capture(self) -> None:
+        """Warm up and capture every bucket, largest first (the smaller ones reuse its
+        memory pool)."""
+        start = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
+        for size in reversed(self.buckets):
+            ctx = self._context(size)
+            ids, positions = self.input_ids[:size], self.positions[:size]
+            for _ in range(2):  # compiles the kernels; settles the allocator
+                self.runner.model(ids, positions, ctx)
+            torch.cuda.synchronize(self.runner.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                hidden = self.runner.model(ids, positions, ctx)
+            self._graphs[size] = (graph, hidden, ctx)
+        torch.cuda.synchronize(self.runner.device)
+        self.capture_seconds = time.perf_counter() - start
+        logger.info("captured CUDA graphs of the decode step for %d batch sizes (1 to %d) in "
+                    "%.1f s", len(self.buckets), self.max_batch, self.capture_seconds)
+
+    def fits(self, query_lens: list[int], seq_lens: list[int], table_width: int) -> bool:
+        """Whether a step replays: decodes only, at most ``max_batch`` of them, each within
+        the captured context and block-table width."""
+        return (0 < len(query_lens) <= self.max_batch and all(n == 1 for n in query_lens)
+                and max(seq_lens) <= self.max_seq_len
+                and table_width <= self.tables.shape[2])
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+            tables: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
+        """Hidden states [B, hidden] of a decode step: ``input_ids``, ``positions`` [B],
+        ``slots`` [G, B], ``tables`` [G, B, width] (host or device tensors)."""
+        size = len(seq_lens)
+        bucket = next(b for b in self.buckets if b >= size)
+        graph, hidden, _ = self._graphs[bucket]
+        self.input_ids[:size].copy_(input_ids, non_blocking=True)
+        self.positions[:size].copy_(positions, non_blocking=True)
+        self.slots[:, :size].copy_(slots, non_blocking=True)
+        self.tables[:, :size, :tables.shape[2]].copy_(tables, non_blocking=True)
+        self.seq_lens[:size].copy_(torch.tensor(seq_lens, dtype=torch.int32),
+                                   non_blocking=True)
+        if bucket > size:  # padded rows: token 0 at position 0, written to the scratch slot
+            self.input_ids[size:bucket].zero_()
+            self.positions[size:bucket].zero_()
+            self.slots[:, size:bucket].fill_(self.scratch_slot)
+            self.seq_lens[size:bucket].fill_(1)
+        graph.replay()
+        self.replays += 1
+        return hidden[:size]
+
+    def _context(self, size: int) -> AttentionContext:
+        runner = self.runner
+        backend = runner.backend
+        layouts = [BatchLayout(self.slots[g, :size], self.tables[g, :size],
+                               self.positions[:size], [1] * size, [1] * size,
+                               runner.block_size) for g in range(runner.num_groups)]
+        first = backend.build_graph_metadata(layouts[0], self.seq_lens[:size], self.max_seq_len)
+        metadata = [first] + [backend.rebind(first, layout) for layout in layouts[1:]]
+        return AttentionContext(backend, [metadata[g] for g in runner.layer_group],
+                                runner.kv_caches)
