@@ -169,8 +169,80 @@ def bandwidth(device: str) -> float:
     return 2 * n / sorted(times)[len(times) // 2]
 
 
+def replay_ms(core: EngineCore, device: str, repeats: int = 100) -> float | None:
+    """Milliseconds of the GPU's work in one decode step at batch 1: replays of the batch-1
+    graph back to back (its inputs as the last step left them)."""
+    graphs = core.runner.graphs
+    if graphs is None:
+        return None
+    graph = graphs._graphs[1][0]
+    graph.replay()
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        graph.replay()
+    sync(device)
+    return (time.perf_counter() - start) / repeats * 1e3
+
+
+def profile_decode(core: EngineCore, prompt: list[int], device: str, path: Path) -> None:
+    """cProfile of 200 single-stream decode steps, by own time (where the host's share of
+    a step goes)."""
+    import cProfile
+    import io
+    import pstats
+
+    core.add_request("profile", prompt, SamplingParams(temperature=0, max_tokens=230,
+                                                       ignore_eos=True))
+    for _ in range(20):
+        core.step()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(200):
+        core.step()
+    prof.disable()
+    while core.has_unfinished():
+        core.step()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(30)
+    path.write_text(out.getvalue())
+
+
+def linear_table(device: str) -> list[dict]:
+    """The Triton linear kernel against cuBLAS (F.linear) on the 1B model's shapes, by rows:
+    microseconds each (CUDA events, median of 50)."""
+    import torch.nn.functional as F
+
+    from llmserve.layers import triton_ops
+
+    rows = []
+    h, inter = LLAMA_1B["hidden_size"], LLAMA_1B["intermediate_size"]
+    for n, k, what in ((3072, h, "qkv"), (h, h, "o"), (2 * inter, h, "gate_up"),
+                       (h, inter, "down"), (VOCAB, h, "head")):
+        w = torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02
+        for m in (1, 8, 64, 256, 4096):
+            x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+            row = {"layer": what, "n": n, "k": k, "m": m}
+            for label, fn in (("triton", lambda x=x, w=w: triton_ops.linear(x, w)),
+                              ("cublas", lambda x=x, w=w: F.linear(x, w))):
+                for _ in range(3):
+                    fn()
+                times = []
+                for _ in range(50):
+                    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
+                        enable_timing=True)
+                    s.record()
+                    fn()
+                    e.record()
+                    e.synchronize()
+                    times.append(s.elapsed_time(e) * 1e3)
+                row[label] = sorted(times)[25]
+            rows.append(row)
+    return rows
+
+
 def bench_model(name: str, path: Path, params: int, device: str, bw: float, quick: bool,
-                batches: list[int]) -> dict:
+                batches: list[int], profile_dir: Path | None = None) -> dict:
     rng = random.Random(0)
     res: dict = {"model": name, "parameters": params}
     decode_len = 32 if quick else 256
@@ -187,6 +259,10 @@ def bench_model(name: str, path: Path, params: int, device: str, bw: float, quic
         if eager:
             del core
             continue
+        res["step_ms"] = 1e3 / single["decode_tok_s"]
+        res["gpu_step_ms"] = replay_ms(core, device)
+        if profile_dir is not None:
+            profile_decode(core, prompt, device, profile_dir / f"profile-{name}.txt")
         weight_bytes = core.loaded.weight_bytes
         kv_per_token = core.kv_spec.bytes_per_token
         mean_ctx = 128 + decode_len / 2
@@ -224,6 +300,8 @@ def main() -> None:
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/cuda_bench"))
     ap.add_argument("--models", default="smollm2-135m-shape,llama-1b-shape")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--profile", action="store_true",
+                    help="cProfile single-stream decode (profile-MODEL.txt beside --out)")
     args = ap.parse_args()
     device = args.device
     info = {"device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
@@ -235,6 +313,11 @@ def main() -> None:
     bw = bandwidth(device)
     info["bandwidth_GBps"] = bw / 1e9
     print(json.dumps(info), flush=True)
+    if device.startswith("cuda"):
+        info["linear_us"] = linear_table(device)
+        for r in info["linear_us"]:
+            print(f"  linear {r['layer']} m={r['m']}: triton {r['triton']:.1f} us, cuBLAS "
+                  f"{r['cublas']:.1f} us", flush=True)
     shapes = {"smollm2-135m-shape": SMOLLM2_135M, "llama-1b-shape": LLAMA_1B}
     if args.quick:
         shapes = {"tiny": TINY}
@@ -247,19 +330,21 @@ def main() -> None:
         path, params = build_model_dir(args.workdir / name, shape, args.tokenizer)
         print(f"{name}: {params / 1e6:.0f}M parameters, built in "
               f"{time.perf_counter() - t0:.1f} s", flush=True)
-        res = bench_model(name, path, params, device, bw, args.quick, batches)
+        res = bench_model(name, path, params, device, bw, args.quick, batches,
+                          args.out.parent if args.out and args.profile else None)
         results["models"].append(res)
         if args.out:
             args.out.write_text(json.dumps(results, indent=1))
         print(json.dumps(res), flush=True)
     print(f"\n{info['device']}, copy bandwidth {info['bandwidth_GBps']:.0f} GB/s")
-    print("| model | 1 stream, graphs | eager | graphs/eager | ceiling | of ceiling | "
-          "batch 1 / 8 / 64 / 256 | prefill 512 / 4096 | batched = alone |")
+    print("| model | 1 stream, graphs | eager | graphs/eager | step ms (GPU) | ceiling | "
+          "of ceiling | batch 1 / 8 / 64 / 256 | prefill 512 / 4096 | batched = alone |")
     for r in results["models"]:
         agg = " / ".join(f"{v:.0f}" for v in r["aggregate"].values())
         pre = " / ".join(f"{v:.0f}" for v in r["prefill"].values())
         print(f"| {r['model']} | {r['single_graphs']:.0f} | {r['single_eager']:.0f} | "
-              f"{r['single_graphs'] / r['single_eager']:.2f}x | {r['ceiling_tok_s']:.0f} | "
+              f"{r['single_graphs'] / r['single_eager']:.2f}x | {r['step_ms']:.2f} "
+              f"({r['gpu_step_ms'] or float('nan'):.2f}) | {r['ceiling_tok_s']:.0f} | "
               f"{r['fraction_of_ceiling']:.0%} | {agg} | {pre} | "
               f"{r['batched_equals_alone']} (graphs = eager: {r['graphs_equal_eager']}) |")
 

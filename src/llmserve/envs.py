@@ -25,6 +25,9 @@ LLMSERVE_CACHE_DIR: str = os.environ.get(
     "LLMSERVE_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "llmserve"))
 # "0" turns the compiled CPU kernels off: the pure PyTorch paths are used instead.
 LLMSERVE_CPU_KERNELS: bool = os.environ.get("LLMSERVE_CPU_KERNELS", "1") != "0"
+# "0" turns the layers' Triton kernels on CUDA off (layers/triton_ops.py): PyTorch's ops
+# run instead, cuBLAS among them, and greedy output may then depend on the batch.
+LLMSERVE_GPU_KERNELS: bool = os.environ.get("LLMSERVE_GPU_KERNELS", "1") != "0"
 # The instruction set the compiled CPU kernels are built for: "native" (this CPU's own, the
 # default), "avx2" (x86-64-v3: AVX2 and FMA, no AVX-512, no VNNI: the portable kernels, as
 # AMD Zen 2/3 run them) or "baseline" (x86-64-v2: no AVX; the integer formats then fall back

@@ -25,6 +25,7 @@ from llmserve.attention.triton_paged import (  # noqa: E402
 
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 BLOCK = 16
+FP32_TOL = 2e-3 if CUDA else 1e-5  # GPUs multiply float32 tiles in tf32
 
 
 class Batch:
@@ -123,7 +124,7 @@ def test_mixed_batch_matches_the_reference_float32(heads):
     batch = Batch(MIXED, *heads, "float32", torch.float32)
     out = batch.run()
     assert out.shape == (sum(n for _, n in MIXED), heads[0] * heads[2])
-    assert rel_err(out, batch.reference()) < 1e-5
+    assert rel_err(out, batch.reference()) < FP32_TOL
 
 
 @pytest.mark.parametrize("kv_dtype,tol", [("bfloat16", 1e-2), ("float16", 2e-3),
@@ -150,7 +151,7 @@ def test_fp8_cache_keeps_a_scale_per_token_and_head():
 def test_sliding_window_matches_the_reference():
     batch = Batch(MIXED, 6, 2, 32, "float32", torch.float32, seed=2)
     for window in (1, 50, SEGMENT + 10):
-        assert rel_err(batch.run(window=window), batch.reference(window)) < 1e-5
+        assert rel_err(batch.run(window=window), batch.reference(window)) < FP32_TOL
 
 
 @pytest.mark.parametrize("window", [None, 100])

@@ -22,6 +22,7 @@ import torch
 
 from llmserve.attention.backend import BatchLayout, register_attention_backend
 from llmserve.attention.kv_format import GPU_ONLY_KV_CACHE_DTYPES, KV_CACHE_DTYPES
+from llmserve.layers.gpu_kernels import gpu_ops_for
 
 SEGMENT = 512  # keys per split-K segment (a multiple of BLOCK_N)
 BLOCK_N = 64  # keys per tile
@@ -75,6 +76,10 @@ class TritonKVCache:
 
     def store(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write ``k``, ``v`` [T, Hkv, D] at cache slots ``slots`` [T] int64."""
+        gpu = gpu_ops_for(k)
+        if self.key_scale is None and gpu is not None:
+            gpu.store_kv(k, v, self.key, self.value, slots)
+            return
         for cache, scales, x in ((self.key, self.key_scale, k), (self.value, self.value_scale, v)):
             flat = cache.view(-1, self.num_kv_heads, self.head_dim)
             if scales is None:
@@ -186,7 +191,8 @@ class TritonPagedBackend:
         block_q = max(1, BLOCK_M // group_p)
         head_p = max(16, _pow2(head_dim))
         tile_seq, tile_first, num_tiles = metadata.tiles_for(block_q)
-        q = q.contiguous()
+        if q.stride(-1) != 1:
+            q = q.contiguous()
         out = q.new_empty(num_tokens, num_heads, head_dim)
         nseg = metadata.num_segments
         if metadata.split:

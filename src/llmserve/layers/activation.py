@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from llmserve.csrc import cpu_ops
+from llmserve.layers.gpu_kernels import gpu_ops_for
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -14,5 +15,8 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         ops = cpu_ops()
         if ops is not None:
             return ops.silu_and_mul(gate_up)
+    gpu = gpu_ops_for(gate_up)
+    if gpu is not None and gate_up.dim() == 2:
+        return gpu.silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up

@@ -1,7 +1,8 @@
 """RMSNorm, computed in float32 like the reference implementations.
 
 On CPU the compiled kernel does one row per task in a fixed order, with the residual add
-fused in (``add_and_norm``); elsewhere the same arithmetic runs as PyTorch ops.
+fused in (``add_and_norm``); on CUDA a Triton kernel does the same (``triton_ops``);
+elsewhere the same arithmetic runs as PyTorch ops.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmserve.csrc import cpu_ops
+from llmserve.layers.gpu_kernels import gpu_ops_for
 
 
 class RMSNorm(nn.Module):
@@ -24,6 +26,9 @@ class RMSNorm(nn.Module):
         ops = _ops_for(x)
         if ops is not None:
             return ops.rms_norm(x, self.weight, self.eps)
+        gpu = gpu_ops_for(x)
+        if gpu is not None:
+            return gpu.rms_norm(x, self.weight, self.eps)
         return F.rms_norm(x.float(), self.weight.shape, self.weight, self.eps).to(x.dtype)
 
     def add_and_norm(self, residual: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
@@ -31,6 +36,9 @@ class RMSNorm(nn.Module):
         ops = _ops_for(residual)
         if ops is not None:
             return ops.add_rms_norm_(residual, delta, self.weight, self.eps)
+        gpu = gpu_ops_for(residual)
+        if gpu is not None:
+            return gpu.rms_norm(delta, self.weight, self.eps, residual=residual)
         return self(residual.add_(delta))
 
 

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from llmserve.csrc import cpu_ops
+from llmserve.layers.gpu_kernels import gpu_ops_for
 from llmserve.models.arch_config import RopeScaling
 
 
@@ -59,6 +60,11 @@ class RotaryEmbedding(nn.Module):
             if ops is not None:
                 ops.rotary_embedding_(q, k, positions, self.cos, self.sin)
                 return q, k
+        gpu = gpu_ops_for(q)
+        if gpu is not None and q.stride(-1) == 1 and k.stride(-1) == 1:
+            # cos of each position (either half), and sin with its sign (second half)
+            gpu.rotary_(q, k, positions, self.cos[:, 0], self.sin[:, 1])
+            return q, k
         if self._step is None or self._step[0] is not positions:
             cos = self.cos.index_select(0, positions).unsqueeze(1)  # [T, 1, 2, D/2]
             sin = self.sin.index_select(0, positions).unsqueeze(1)

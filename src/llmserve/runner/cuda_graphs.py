@@ -55,6 +55,9 @@ class DecodeGraphs:
         self.slots = torch.full((groups, max_batch), scratch_slot, dtype=torch.int64, device=dev)
         self.tables = torch.zeros(groups, max_batch, width, dtype=torch.int64, device=dev)
         self.seq_lens = torch.ones(max_batch, dtype=torch.int32, device=dev)
+        # Pinned host copies: each step's inputs go over in asynchronous copies.
+        self._host = {name: torch.empty_like(t, device="cpu").pin_memory()
+                      for name, t in self._static().items()}
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, object]] = {}
         self.capture_seconds = 0.0
         self.replays = 0  # steps served by a graph (tests, metrics)
@@ -97,20 +100,29 @@ class DecodeGraphs:
         size = len(seq_lens)
         bucket = next(b for b in self.buckets if b >= size)
         graph, hidden, _ = self._graphs[bucket]
-        self.input_ids[:size].copy_(input_ids, non_blocking=True)
-        self.positions[:size].copy_(positions, non_blocking=True)
-        self.slots[:, :size].copy_(slots, non_blocking=True)
-        self.tables[:, :size, :tables.shape[2]].copy_(tables, non_blocking=True)
-        self.seq_lens[:size].copy_(torch.tensor(seq_lens, dtype=torch.int32),
-                                   non_blocking=True)
+        host, width = self._host, tables.shape[2]
+        host["input_ids"][:size] = input_ids
+        host["positions"][:size] = positions
+        host["slots"][:, :size] = slots
+        host["tables"][:, :size, :width] = tables
+        host["seq_lens"][:size] = torch.tensor(seq_lens, dtype=torch.int32)
         if bucket > size:  # padded rows: token 0 at position 0, written to the scratch slot
-            self.input_ids[size:bucket].zero_()
-            self.positions[size:bucket].zero_()
-            self.slots[:, size:bucket].fill_(self.scratch_slot)
-            self.seq_lens[size:bucket].fill_(1)
+            host["input_ids"][size:bucket] = 0
+            host["positions"][size:bucket] = 0
+            host["slots"][:, size:bucket] = self.scratch_slot
+            host["seq_lens"][size:bucket] = 1
+        static = self._static()
+        for name in ("input_ids", "positions", "seq_lens"):
+            static[name][:bucket].copy_(host[name][:bucket], non_blocking=True)
+        self.slots[:, :bucket].copy_(host["slots"][:, :bucket], non_blocking=True)
+        self.tables[:, :size, :width].copy_(host["tables"][:, :size, :width], non_blocking=True)
         graph.replay()
         self.replays += 1
         return hidden[:size]
+
+    def _static(self) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.input_ids, "positions": self.positions, "slots": self.slots,
+                "tables": self.tables, "seq_lens": self.seq_lens}
 
     def _context(self, size: int) -> AttentionContext:
         runner = self.runner

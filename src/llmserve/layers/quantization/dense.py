@@ -11,7 +11,8 @@ Without the compiled kernels (no compiler, ``LLMSERVE_CPU_KERNELS=0``), ``F.line
 instead: a bfloat16 weight is widened into a float32 scratch buffer (one per shape) and
 multiplied by the BLAS, whose row results may then depend on the batch (MKL's strict mode
 holds them on Intel CPUs, not on AMD ones). On a GPU the activations are in the weights'
-dtype (bfloat16, float16) and ``F.linear`` runs on the tensor cores.
+dtype (bfloat16, float16) and a Triton kernel whose tiles do not depend on the number of
+rows multiplies them (``layers/triton_ops.py``: batch-invariant, unlike cuBLAS).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmserve.csrc import cpu_ops
+from llmserve.layers.gpu_kernels import gpu_ops_for
 from llmserve.layers.quantization.base import (
     LinearMethod,
     WeightSource,
@@ -136,6 +138,9 @@ class DenseMethod(LinearMethod):
             return self._ops.dense_linear(x, *self._kernel_args)
         weight = layer.weight
         if weight.device.type != "cpu":  # GPUs multiply in the weights' dtype
+            gpu = gpu_ops_for(weight)
+            if gpu is not None:
+                return gpu.linear(x, weight)
             return F.linear(x.to(weight.dtype), weight)
         return F.linear(x, _widened(weight))
 

@@ -1,0 +1,214 @@
+"""The layers' GPU kernels in Triton: linear, RMSNorm (with the residual add), rotary,
+SiLU-and-multiply, and the KV cache store.
+
+Two reasons to write them rather than call PyTorch:
+
+- **Batch invariance.** cuBLAS picks its algorithm (tile shape, split-K) by the shape of
+  the product, so a row's result changes with the number of rows it is multiplied with,
+  and greedy output with the batch. ``linear`` tiles the product with a configuration
+  chosen from the weight's shape alone (never from the number of rows), sums each output
+  over the input in the same order for every batch, and does not specialise its kernel on
+  the row count: a row gets the same bits alone and in any batch. Every other kernel here
+  works row by row.
+- **Fewer launches.** The PyTorch path of a decoder layer launches about 30 kernels (each
+  float cast, the rotary's halves, the residual add and the norm apart); a decode step of
+  a small model is bound by them. Here a layer takes about 10.
+
+Each function takes and returns tensors in the activations' dtype (bfloat16, float16 or
+float32) and computes in float32. They run on CUDA tensors, or on CPU tensors under
+Triton's interpreter (``TRITON_INTERPRET=1``), where the tests check them against
+PyTorch.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+_SMS = 132  # streaming multiprocessors of an H100/H200: enough tiles to fill them
+
+
+@triton.jit(do_not_specialize=["M"])
+def _linear_kernel(a_ptr, w_ptr, c_ptr, M, N, K, stride_am, stride_wn, stride_cm,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   UPCAST: tl.constexpr):
+    """C [M, N] = A [M, K] @ W[N, K]^T, float32 sums over K in tiles of BLOCK_K, in order."""
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + rk
+        a = tl.load(a_ptr + rm[:, None] * stride_am + ks[None, :],
+                    mask=(rm[:, None] < M) & (ks[None, :] < K), other=0.0)
+        w = tl.load(w_ptr + rn[None, :] * stride_wn + ks[:, None],
+                    mask=(rn[None, :] < N) & (ks[:, None] < K), other=0.0)  # [BLOCK_K, BLOCK_N]
+        if UPCAST:  # the interpreter multiplies 16-bit matrices wrongly
+            a = a.to(tl.float32)
+            w = w.to(tl.float32)
+        acc = tl.dot(a, w, acc)
+    tl.store(c_ptr + rm[:, None] * stride_cm + rn[None, :], acc.to(c_ptr.dtype.element_ty),
+             mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+@functools.cache
+def linear_config(n: int, k: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K) of a weight [n, k]: a function of the weight alone, so
+    that every batch size runs the same tiles. Output tiles are as wide as still gives two
+    per multiprocessor, so that one row (a decode) spreads its weight reads over the chip."""
+    block_n = 16
+    for width in (128, 64, 32):
+        if n >= 2 * _SMS * width:
+            block_n = width
+            break
+    return 64, block_n, 128 if k >= 128 else max(16, triton.next_power_of_2(k))
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x`` [M, K] @ ``weight`` [N, K]^T -> [M, N] in the weight's dtype."""
+    x = x.to(weight.dtype)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    m, k = x.shape
+    n = weight.shape[0]
+    out = torch.empty(m, n, dtype=weight.dtype, device=x.device)
+    if m == 0:
+        return out
+    bm, bn, bk = linear_config(n, k)
+    _linear_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
+        x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, UPCAST=INTERPRETED, num_warps=4, num_stages=3)
+    return out
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, delta_ptr, w_ptr, out_ptr, n, eps, stride_x, stride_d, stride_o,
+                     ADD: tl.constexpr, BLOCK: tl.constexpr):
+    """One row: (``x += delta``, rounded to x's dtype, when ADD), then
+    ``w * x * rsqrt(mean(x^2) + eps)`` in float32."""
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < n
+    x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
+    if ADD:
+        x = (x.to(tl.float32) + tl.load(delta_ptr + row * stride_d + cols, mask=ok,
+                                        other=0.0).to(tl.float32)).to(x.dtype)
+        tl.store(x_ptr + row * stride_x + cols, x, mask=ok)
+    xf = x.to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / n + eps)
+    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, (xf * inv * w).to(out_ptr.dtype.element_ty),
+             mask=ok)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> torch.Tensor:
+    """RMSNorm of the rows of ``x`` [T, H]; with ``residual``: ``residual += x`` in place
+    first, and the norm is of the sum."""
+    target = x if residual is None else residual
+    rows, n = target.shape
+    out = torch.empty_like(target)
+    if rows:
+        _rms_norm_kernel[(rows,)](target, x, weight, out, n, eps, target.stride(0),
+                                  x.stride(0), out.stride(0), ADD=residual is not None,
+                                  BLOCK=triton.next_power_of_2(n))
+    return out
+
+
+@triton.jit
+def _rotate_heads(base, stride_h, heads, cos, sin, HALF: tl.constexpr, HEADS: tl.constexpr,
+                  HALF_P: tl.constexpr):
+    h = tl.arange(0, HEADS)
+    d = tl.arange(0, HALF_P)
+    ok = (h[:, None] < heads) & (d[None, :] < HALF)
+    first = base + h[:, None] * stride_h + d[None, :]
+    x1 = tl.load(first, mask=ok, other=0.0)
+    x2 = tl.load(first + HALF, mask=ok, other=0.0)
+    a, b = x1.to(tl.float32), x2.to(tl.float32)
+    tl.store(first, (a * cos[None, :] - b * sin[None, :]).to(x1.dtype), mask=ok)
+    tl.store(first + HALF, (b * cos[None, :] + a * sin[None, :]).to(x1.dtype), mask=ok)
+
+
+@triton.jit
+def _rotary_kernel(q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, stride_qt, stride_qh,
+                   stride_kt, stride_kh, stride_table, num_q_heads, num_k_heads,
+                   HALF: tl.constexpr, HEADS: tl.constexpr, HALF_P: tl.constexpr):
+    """One token, in place: each head's halves (x1, x2) become (x1 cos - x2 sin,
+    x2 cos + x1 sin) at the token's position."""
+    t = tl.program_id(0)
+    pos = tl.load(pos_ptr + t)
+    d = tl.arange(0, HALF_P)
+    cos = tl.load(cos_ptr + pos * stride_table + d, mask=d < HALF, other=0.0)
+    sin = tl.load(sin_ptr + pos * stride_table + d, mask=d < HALF, other=0.0)
+    _rotate_heads(q_ptr + t * stride_qt, stride_qh, num_q_heads, cos, sin, HALF, HEADS, HALF_P)
+    _rotate_heads(k_ptr + t * stride_kt, stride_kh, num_k_heads, cos, sin, HALF, HEADS, HALF_P)
+
+
+def rotary_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+            sin: torch.Tensor) -> None:
+    """Rotate ``q`` [T, Hq, D] and ``k`` [T, Hkv, D] in place; ``cos``/``sin``
+    [max_positions, D / 2] float32."""
+    tokens, num_q, dim = q.shape
+    if tokens:
+        _rotary_kernel[(tokens,)](
+            q, k, positions, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+            cos.stride(0), num_q, k.shape[1], HALF=dim // 2,
+            HEADS=triton.next_power_of_2(max(num_q, k.shape[1])),
+            HALF_P=triton.next_power_of_2(dim // 2))
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, d, stride_x, stride_o, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < d
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + d + cols, mask=ok, other=0.0).to(tl.float32)
+    out = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of a fused [T, 2d] projection."""
+    rows, width = gate_up.shape
+    d = width // 2
+    out = torch.empty(rows, d, dtype=gate_up.dtype, device=gate_up.device)
+    if rows:
+        block = min(1024, triton.next_power_of_2(d))
+        _silu_and_mul_kernel[(rows, triton.cdiv(d, block))](
+            gate_up, out, d, gate_up.stride(0), out.stride(0), BLOCK=block)
+    return out
+
+
+@triton.jit
+def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, stride_kt, stride_kh,
+                     stride_vt, stride_vh, num_heads,
+                     HEAD_DIM: tl.constexpr, HEADS: tl.constexpr, DIM_P: tl.constexpr):
+    """One token's keys and values into their slot: ``cache[slot, h, :]`` (a cache is
+    [slots, Hkv, D] contiguous)."""
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    h = tl.arange(0, HEADS)
+    d = tl.arange(0, DIM_P)
+    ok = (h[:, None] < num_heads) & (d[None, :] < HEAD_DIM)
+    dst = slot * num_heads * HEAD_DIM + h[:, None] * HEAD_DIM + d[None, :]
+    k = tl.load(k_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=ok)
+    v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=ok)
+    tl.store(kc_ptr + dst, k.to(kc_ptr.dtype.element_ty), mask=ok)
+    tl.store(vc_ptr + dst, v.to(vc_ptr.dtype.element_ty), mask=ok)
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor,
+             value_cache: torch.Tensor, slots: torch.Tensor) -> None:
+    """``k``, ``v`` [T, Hkv, D] into caches [blocks, block_size, Hkv, D] at ``slots`` [T]."""
+    tokens, heads, dim = k.shape
+    if tokens:
+        _store_kv_kernel[(tokens,)](
+            k, v, key_cache, value_cache, slots, k.stride(0), k.stride(1), v.stride(0),
+            v.stride(1), heads, HEAD_DIM=dim, HEADS=triton.next_power_of_2(heads),
+            DIM_P=triton.next_power_of_2(dim))

@@ -1,0 +1,118 @@
+"""The layers' Triton kernels against PyTorch, and the linear kernel's batch invariance.
+
+Without a GPU they run under Triton's interpreter on CPU tensors (see
+test_triton_attention.py); on a GPU the same tests run on CUDA.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+CUDA = torch.cuda.is_available()
+if not CUDA:  # read when Triton is imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from llmserve.layers import triton_ops  # noqa: E402
+from llmserve.layers.rotary import RotaryEmbedding  # noqa: E402
+from llmserve.models.arch_config import RopeScaling  # noqa: E402
+
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def randn(*shape, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=gen).to(DEVICE, dtype)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double().cpu(), b.double().cpu()
+    return float((a - b).norm() / b.norm())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,k", [(96, 200), (48, 64), (700, 33)])
+def test_linear_matches_a_float64_product(dtype, n, k):
+    x, w = randn(37, k, dtype=dtype), randn(n, k, dtype=dtype, seed=1)
+    out = triton_ops.linear(x, w)
+    assert out.dtype == dtype and out.shape == (37, n)
+    tol = 2e-3 if dtype == torch.float32 else 1e-2  # float32 on GPUs: tf32 products
+    assert rel_err(out, x.double() @ w.double().T) < tol
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_gives_each_row_the_same_bits_in_any_batch(dtype):
+    """The tiles come from the weight's shape, never the number of rows."""
+    w = randn(160, 300, dtype=dtype, seed=2)
+    x = randn(130, 300, dtype=dtype, seed=3)  # more than one tile of rows
+    together = triton_ops.linear(x, w)
+    for rows in ([0], [5, 6], list(range(64, 67)), [129]):
+        assert torch.equal(triton_ops.linear(x[rows], w), together[rows]), rows
+
+
+def test_linear_config_depends_on_the_weight_alone():
+    assert triton_ops.linear_config(49152, 2048) == (64, 128, 128)
+    assert triton_ops.linear_config(2048, 8192) == (64, 16, 128)
+    assert triton_ops.linear_config(576, 32)[2] == 32
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_and_the_fused_residual_add(dtype):
+    x, delta = randn(9, 200, dtype=dtype), randn(9, 200, dtype=dtype, seed=1)
+    w = randn(200, seed=2)
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    ref = F.rms_norm(x.float(), (200,), w, 1e-5)
+    assert rel_err(triton_ops.rms_norm(x, w, 1e-5), ref) < tol
+    residual = x.clone()
+    out = triton_ops.rms_norm(delta, w, 1e-5, residual=residual)
+    summed = (x.float() + delta.float()).to(dtype)
+    if CUDA or dtype == torch.float32:
+        assert torch.equal(residual, summed)
+    else:  # the interpreter narrows float32 to bfloat16 by truncating, not rounding
+        assert rel_err(residual, summed) < 1e-2
+    assert rel_err(out, F.rms_norm(summed.float(), (200,), w, 1e-5)) < tol
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_matches_the_pytorch_path(dtype):
+    rope = RotaryEmbedding(64, 512, 10000.0, RopeScaling()).to(DEVICE)
+    qkv = randn(7, (6 + 2 * 2) * 64, dtype=dtype)  # q, k, v side by side, as in a layer
+    q = qkv[:, :384].view(7, 6, 64)
+    k = qkv[:, 384:512].view(7, 2, 64)
+    positions = torch.tensor([0, 1, 5, 100, 300, 301, 511], device=DEVICE)
+    cos = rope.cos.index_select(0, positions).unsqueeze(1)
+    sin = rope.sin.index_select(0, positions).unsqueeze(1)
+    from llmserve.layers.rotary import _rotate
+
+    ref_q, ref_k = _rotate(q.clone(), cos, sin), _rotate(k.clone(), cos, sin)
+    v_before = qkv[:, 512:].clone()
+    triton_ops.rotary_(q, k, positions, rope.cos[:, 0], rope.sin[:, 1])
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    assert rel_err(q, ref_q) < tol and rel_err(k, ref_k) < tol
+    assert torch.equal(qkv[:, 512:], v_before)  # v untouched
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul(dtype):
+    x = randn(5, 2 * 300, dtype=dtype)
+    ref = F.silu(x[:, :300].float()) * x[:, 300:].float()
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    assert rel_err(triton_ops.silu_and_mul(x), ref) < tol
+
+
+def test_store_kv_writes_each_token_at_its_slot():
+    kc = torch.zeros(4, 16, 2, 32, dtype=torch.bfloat16, device=DEVICE)
+    vc = torch.zeros_like(kc)
+    kv = randn(5, 3, 2, 32, dtype=torch.bfloat16)  # k and v interleaved: strided views
+    slots = torch.tensor([0, 17, 18, 40, 63], device=DEVICE)
+    triton_ops.store_kv(kv[:, 0], kv[:, 1], kc, vc, slots)
+    assert torch.equal(kc.view(-1, 2, 32)[slots], kv[:, 0])
+    assert torch.equal(vc.view(-1, 2, 32)[slots], kv[:, 1])
+    untouched = torch.ones(64, dtype=torch.bool)
+    untouched[slots.cpu()] = False
+    assert not kc.view(-1, 2, 32)[untouched.to(DEVICE)].any()
