@@ -13,8 +13,8 @@ export LLMSERVE_CPU_KERNELS=0 LLMSERVE_TEST_TOKENIZER=$PWD/.gpu/tokenizer
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider -x \
-      tests/unit/test_triton_attention.py tests/model/test_cuda.py ${TEST_ARGS:-} \
+  timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider --maxfail="${MAXFAIL:-1}" \
+      tests/unit/test_triton_ops.py tests/unit/test_triton_attention.py tests/model/test_cuda.py ${TEST_ARGS:-} \
       2>&1 | tee "$OUT/pytest.log" | tail -25
 fi
 timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/cuda_bench.py --tokenizer .gpu/tokenizer \
