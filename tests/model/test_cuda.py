@@ -7,6 +7,8 @@ machine with ``pytest -m cuda``.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -41,13 +43,17 @@ def test_sliding_windows_on_cuda(tiny_model_dir):
 
 @pytest.mark.parametrize("name", ["llama-gqa", "qwen3", "gemma3"])
 def test_logits_match_transformers_on_cuda(tiny_model_dir, name):
+    """Within what transformers' own model loses in bfloat16 (the tiny random Gemma 3's
+    logits move by 11% there: its scaled embeddings and four norms a layer)."""
     path, hf = tiny_model_dir(name)
-    ids = list(range(100, 160))
+    ids = torch.tensor([list(range(100, 160))])
     with torch.no_grad():
-        ref = hf(torch.tensor([ids])).logits[0].double()
+        ref = hf(ids).logits[0].double()
+        hf_bf16 = copy.deepcopy(hf).to(torch.bfloat16)(ids).logits[0].double()
     loaded = load_model(str(path), "cuda", quantization="auto", dtype="bfloat16")
-    got = sequence_logits(loaded.model, ids).double().cpu()
-    assert float((got - ref).norm() / ref.norm()) < 3e-2
+    got = sequence_logits(loaded.model, ids[0].tolist()).double().cpu()
+    own_loss = float((hf_bf16 - ref).norm() / ref.norm())
+    assert float((got - ref).norm() / ref.norm()) < max(3e-2, 1.5 * own_loss)
 
 
 def test_graph_replays_give_the_eager_tokens(tiny_model_dir):

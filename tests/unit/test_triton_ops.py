@@ -36,7 +36,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("n,k", [(96, 200), (48, 64), (700, 33)])
+@pytest.mark.parametrize("n,k", [(96, 200), (48, 64), (700, 33), (100, 1100)])
 def test_linear_matches_a_float64_product(dtype, n, k):
     x, w = randn(37, k, dtype=dtype), randn(n, k, dtype=dtype, seed=1)
     out = triton_ops.linear(x, w)
@@ -48,17 +48,23 @@ def test_linear_matches_a_float64_product(dtype, n, k):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_linear_gives_each_row_the_same_bits_in_any_batch(dtype):
     """The tiles come from the weight's shape, never the number of rows."""
-    w = randn(160, 300, dtype=dtype, seed=2)
-    x = randn(130, 300, dtype=dtype, seed=3)  # more than one tile of rows
+    w = randn(160, 600, dtype=dtype, seed=2)  # split over K: 5 tiles of 128 inputs
+    assert triton_ops.linear_config(160, 600)[3] > 1
+    x = randn(130, 600, dtype=dtype, seed=3)  # more than one tile of rows
     together = triton_ops.linear(x, w)
     for rows in ([0], [5, 6], list(range(64, 67)), [129]):
         assert torch.equal(triton_ops.linear(x[rows], w), together[rows]), rows
 
 
 def test_linear_config_depends_on_the_weight_alone():
-    assert triton_ops.linear_config(49152, 2048) == (64, 128, 128)
-    assert triton_ops.linear_config(2048, 8192) == (64, 16, 128)
-    assert triton_ops.linear_config(576, 32)[2] == 32
+    assert triton_ops.linear_config(49152, 2048) == (64, 128, 128, 1)  # 384 output tiles
+    assert triton_ops.linear_config(2048, 8192) == (64, 64, 128, 8)  # 32 tiles x 8 parts
+    assert triton_ops.linear_config(576, 32) == (64, 64, 32, 1)  # one tile of inputs
+    for n, k in ((3072, 2048), (960, 576), (2048, 2048)):
+        _, _, bk, splits = triton_ops.linear_config(n, k)
+        k_tiles = -(-k // bk)
+        per_part = -(-k_tiles // splits)
+        assert (splits - 1) * per_part < k_tiles  # every part holds inputs
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -34,39 +34,67 @@ _SMS = 132  # streaming multiprocessors of an H100/H200: enough tiles to fill th
 
 
 @triton.jit(do_not_specialize=["M"])
-def _linear_kernel(a_ptr, w_ptr, c_ptr, M, N, K, stride_am, stride_wn, stride_cm,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   UPCAST: tl.constexpr):
-    """C [M, N] = A [M, K] @ W[N, K]^T, float32 sums over K in tiles of BLOCK_K, in order."""
+def _linear_kernel(a_ptr, w_ptr, c_ptr, part_ptr, M, N, K, k_per_split, stride_am,
+                   stride_wn, stride_cm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr):
+    """C [M, N] = A [M, K] @ W [N, K]^T: float32 sums over K in tiles of BLOCK_K, in order.
+    With SPLIT, program (., ., s) sums inputs [s * k_per_split, (s + 1) * k_per_split)
+    into partials [S, M, N] (float32) that ``_sum_splits_kernel`` adds in order."""
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    split = tl.program_id(2)
+    k_lo = split * k_per_split
+    k_hi = tl.minimum(K, k_lo + k_per_split)
     rk = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         ks = k0 + rk
         a = tl.load(a_ptr + rm[:, None] * stride_am + ks[None, :],
-                    mask=(rm[:, None] < M) & (ks[None, :] < K), other=0.0)
+                    mask=(rm[:, None] < M) & (ks[None, :] < k_hi), other=0.0)
         w = tl.load(w_ptr + rn[None, :] * stride_wn + ks[:, None],
-                    mask=(rn[None, :] < N) & (ks[:, None] < K), other=0.0)  # [BLOCK_K, BLOCK_N]
+                    mask=(rn[None, :] < N) & (ks[:, None] < k_hi), other=0.0)  # [BK, BN]
         if UPCAST:  # the interpreter multiplies 16-bit matrices wrongly
             a = a.to(tl.float32)
             w = w.to(tl.float32)
         acc = tl.dot(a, w, acc)
-    tl.store(c_ptr + rm[:, None] * stride_cm + rn[None, :], acc.to(c_ptr.dtype.element_ty),
-             mask=(rm[:, None] < M) & (rn[None, :] < N))
+    ok = (rm[:, None] < M) & (rn[None, :] < N)
+    if SPLIT:
+        tl.store(part_ptr + split * M * N + rm[:, None] * N + rn[None, :], acc, mask=ok)
+    else:
+        tl.store(c_ptr + rm[:, None] * stride_cm + rn[None, :],
+                 acc.to(c_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _sum_splits_kernel(part_ptr, c_ptr, M, N, stride_cm, SPLITS: tl.constexpr,
+                       BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    total = M * N
+    ok = offs < total
+    acc = tl.load(part_ptr + offs, mask=ok, other=0.0)
+    for s in tl.static_range(1, SPLITS):
+        acc += tl.load(part_ptr + s * total + offs, mask=ok, other=0.0)
+    tl.store(c_ptr + (offs // N) * stride_cm + offs % N, acc.to(c_ptr.dtype.element_ty),
+             mask=ok)
 
 
 @functools.cache
-def linear_config(n: int, k: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K) of a weight [n, k]: a function of the weight alone, so
-    that every batch size runs the same tiles. Output tiles are as wide as still gives two
-    per multiprocessor, so that one row (a decode) spreads its weight reads over the chip."""
-    block_n = 16
-    for width in (128, 64, 32):
-        if n >= 2 * _SMS * width:
-            block_n = width
-            break
-    return 64, block_n, 128 if k >= 128 else max(16, triton.next_power_of_2(k))
+def linear_config(n: int, k: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, splits of K) of a weight [n, k]: a function of the weight
+    alone, so that every batch size runs the same tiles and sums. A decode (one row)
+    streams the weight, so a weight of fewer output tiles than multiprocessors is also split
+    over its inputs (split-K: a fixed number of parts, added in order) into about two tiles
+    per multiprocessor. The price: a prefill of M rows writes and reads M x N float32
+    partials per part."""
+    block_k = 128 if k >= 128 else max(16, triton.next_power_of_2(k))
+    block_n = 128 if n >= 2 * _SMS * 128 else 64
+    tiles = triton.cdiv(n, block_n)
+    k_tiles = triton.cdiv(k, block_k)
+    if tiles >= _SMS:
+        return 64, block_n, block_k, 1
+    splits = min(k_tiles, triton.cdiv(2 * _SMS, tiles))
+    splits = triton.cdiv(k_tiles, triton.cdiv(k_tiles, splits))  # no empty part
+    return 64, block_n, block_k, splits
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -79,10 +107,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     out = torch.empty(m, n, dtype=weight.dtype, device=x.device)
     if m == 0:
         return out
-    bm, bn, bk = linear_config(n, k)
-    _linear_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
-        x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, UPCAST=INTERPRETED, num_warps=4, num_stages=3)
+    bm, bn, bk, splits = linear_config(n, k)
+    k_per_split = triton.cdiv(triton.cdiv(k, bk), splits) * bk
+    part = (torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if splits > 1
+            else out)
+    _linear_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn), splits)](
+        x, weight, out, part, m, n, k, k_per_split, x.stride(0), weight.stride(0),
+        out.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=splits > 1,
+        UPCAST=INTERPRETED, num_warps=4, num_stages=3)
+    if splits > 1:
+        block = 1024
+        _sum_splits_kernel[(triton.cdiv(m * n, block),)](
+            part, out, m, n, out.stride(0), SPLITS=splits, BLOCK=block)
     return out
 
 
