@@ -1,0 +1,55 @@
+"""What of the CUDA path can be checked without a GPU: the choices and refusals around it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmserve.attention.backend import _auto_backend
+from llmserve.config import default_dtype
+from llmserve.errors import ModelLoadError
+from llmserve.models.loader import load_model
+from llmserve.runner.cuda_graphs import batch_buckets
+
+
+def test_graph_buckets_cover_every_batch_up_to_the_largest():
+    assert batch_buckets(1) == [1]
+    assert batch_buckets(20) == [1, 2, 4, 8, 16, 20]
+    assert batch_buckets(64) == [1, 2, 4, 8, 16, 32, 48, 64]
+    for top in (1, 3, 17, 256):
+        buckets = batch_buckets(top)
+        assert all(any(b >= size for b in buckets) for size in range(1, top + 1))
+        assert buckets[-1] == top
+
+
+def test_dense_dtype_defaults_to_bfloat16_on_cuda():
+    assert default_dtype("cuda") == default_dtype("cuda:1") == "bfloat16"
+    assert default_dtype("cpu") == "float32"
+
+
+def test_cuda_picks_the_triton_backend():
+    pytest.importorskip("triton")
+    assert _auto_backend(torch.device("cuda"), 16) == "triton_paged"
+
+
+def test_float16_weights_are_refused_on_cpu(tiny_model_dir):
+    path, _ = tiny_model_dir("llama-gqa")
+    with pytest.raises(ModelLoadError, match="float16 runs on GPUs only"):
+        load_model(str(path), "cpu", quantization="none", dtype="float16")
+
+
+def test_float16_kv_cache_is_refused_by_the_cpu_layout():
+    from llmserve.attention.kv_format import PagedKVCache
+
+    with pytest.raises(ValueError, match="GPUs only"):
+        PagedKVCache.allocate("float16", 2, 16, 1, 16, torch.device("cpu"))
+
+
+def test_cuda_graphs_need_a_cuda_runner(tiny_model_dir):
+    from llmserve import LLM
+
+    path, _ = tiny_model_dir("llama-gqa")
+    llm = LLM(str(path), max_model_len=256, num_kv_blocks=32)
+    assert llm.engine.runner.graphs is None  # CPU: nothing captured
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
+        llm.engine.runner.capture_cuda_graphs(4, 256)
