@@ -31,6 +31,8 @@ import triton.language as tl
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 _SMS = 132  # streaming multiprocessors of an H100/H200: enough tiles to fill them
+_TILES_PER_SM = 2  # split-K target: tiles per multiprocessor on a decode
+_LINEAR_WARPS, _LINEAR_STAGES = 4, 3
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -92,7 +94,7 @@ def linear_config(n: int, k: int) -> tuple[int, int, int, int]:
     k_tiles = triton.cdiv(k, block_k)
     if tiles >= _SMS:
         return 64, block_n, block_k, 1
-    splits = min(k_tiles, triton.cdiv(2 * _SMS, tiles))
+    splits = min(k_tiles, triton.cdiv(_TILES_PER_SM * _SMS, tiles))
     splits = triton.cdiv(k_tiles, triton.cdiv(k_tiles, splits))  # no empty part
     return 64, block_n, block_k, splits
 
@@ -114,7 +116,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     _linear_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn), splits)](
         x, weight, out, part, m, n, k, k_per_split, x.stride(0), weight.stride(0),
         out.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=splits > 1,
-        UPCAST=INTERPRETED, num_warps=4, num_stages=3)
+        UPCAST=INTERPRETED, num_warps=_LINEAR_WARPS, num_stages=_LINEAR_STAGES)
     if splits > 1:
         block = 1024
         _sum_splits_kernel[(triton.cdiv(m * n, block),)](

@@ -1,0 +1,131 @@
+"""Where a decode step's GPU time goes, and linear-kernel variants against each other.
+
+On the 1.07B Llama shape of ``cuda_bench.py`` (random bfloat16 weights):
+
+1. for each variant of the linear kernel's configuration (each still a function of the
+   weight's shape alone, so every one stays batch-invariant): the GPU time of one decode
+   step at batch 1 and 64 (back-to-back replays of its CUDA graph) and single-stream
+   decode tokens/s through the engine;
+2. ``torch.profiler`` over a few eager decode steps of the default variant: device time by
+   kernel, summed over the step.
+
+    python benchmarks/cuda_profile.py --tokenizer .gpu/tokenizer --out out/profile.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import cuda_bench as cb
+
+from llmserve.layers import triton_ops
+from llmserve.sampling_params import SamplingParams
+
+VARIANTS = {
+    "default": {},
+    "bk256": {"block_k": 256},
+    "splits4": {"tiles_per_sm": 4},
+    "stages4": {"stages": 4},
+    "bk256-splits4": {"block_k": 256, "tiles_per_sm": 4},
+}
+
+
+_ORIGINAL = triton_ops.linear_config.__wrapped__  # uncached: reads the module's knobs
+
+
+def apply_variant(v: dict) -> None:
+    triton_ops._TILES_PER_SM = v.get("tiles_per_sm", 2)
+    triton_ops._LINEAR_STAGES = v.get("stages", 3)
+    block_k = v.get("block_k")
+
+    def config(n: int, k: int):
+        bm, bn, _, _ = _ORIGINAL(n, k)
+        if block_k is None or k < block_k:
+            return _ORIGINAL(n, k)
+        tiles, k_tiles = -(-n // bn), -(-k // block_k)
+        if tiles >= triton_ops._SMS:
+            return bm, bn, block_k, 1
+        splits = min(k_tiles, -(-triton_ops._TILES_PER_SM * triton_ops._SMS // tiles))
+        return bm, bn, block_k, -(-k_tiles // -(-k_tiles // splits))
+
+    triton_ops.linear_config = config
+
+
+def replay_ms(core, size: int, repeats: int = 50) -> float:
+    graph = core.runner.graphs._graphs[size][0]
+    graph.replay()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        graph.replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / repeats * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokenizer", type=Path, default=None)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    path, _ = cb.build_model_dir(Path("/tmp/cuda_profile/llama-1b"), cb.LLAMA_1B, args.tokenizer)
+    rng = random.Random(0)
+    prompt = [rng.randrange(17, cb.VOCAB) for _ in range(128)]
+    results: dict = {"variants": {}}
+    for name, variant in VARIANTS.items():
+        apply_variant(variant)
+        core = cb.engine(path, "cuda", False, max_num_seqs=64)
+        cb.run_batch(core, [prompt], 8, "cuda", "warm")
+        single = cb.run_batch(core, [prompt], 128, "cuda", "single")
+        row = {"replay_ms_b1": replay_ms(core, 1), "replay_ms_b64": replay_ms(core, 64),
+               "single_tok_s": single["decode_tok_s"]}
+        results["variants"][name] = row
+        print(name, json.dumps(row), flush=True)
+        if name == "default":
+            results["kernels"] = kernel_table(core, prompt)
+        del core
+        torch.cuda.empty_cache()
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=1))
+
+
+def kernel_table(core, prompt: list[int], steps: int = 5) -> list[dict]:
+    """Device microseconds per decode step by kernel name (eager steps: the graphs are set
+    aside, the kernels are the same)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graphs, core.runner.graphs = core.runner.graphs, None
+    core.add_request("prof", prompt, SamplingParams(temperature=0, max_tokens=40,
+                                                    ignore_eos=True))
+    for _ in range(10):
+        core.step()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            core.step()
+        torch.cuda.synchronize()
+    while core.has_unfinished():
+        core.step()
+    core.runner.graphs = graphs
+    rows = []
+    for e in prof.key_averages():
+        device_us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if device_us:
+            rows.append({"kernel": e.key[:90], "calls_per_step": e.count / steps,
+                         "us_per_step": device_us / steps})
+    rows.sort(key=lambda r: -r["us_per_step"])
+    total = sum(r["us_per_step"] for r in rows)
+    print(f"device time per eager decode step: {total:.0f} us")
+    for r in rows[:18]:
+        print(f"  {r['us_per_step']:8.1f} us  {r['calls_per_step']:6.1f} calls  {r['kernel']}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
