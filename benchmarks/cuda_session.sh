@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One session on a lent GPU machine, from the repository root: the CUDA tests, then
 # benchmarks/cuda_bench.py. Expects .gpu/whl (wheels of what the machine's image lacks:
-# gguf, llguidance, msgspec) and .gpu/tokenizer (SmolLM2's tokenizer, saved), carried along.
-# Writes logs and results to $OUT (default: ./cuda-out).
+# gguf, llguidance, msgspec) and .gpu/tokenizer (SmolLM2's tokenizer, saved), carried along
+# (benchmarks/cuda_payload.sh makes them). Writes logs and results to $OUT (default:
+# ./cuda-out).
 set -uo pipefail
 OUT=${OUT:-cuda-out}
 mkdir -p "$OUT"
