@@ -17,6 +17,7 @@ renormalised).
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Sequence
 
@@ -111,9 +112,11 @@ class ModelRunner:
         out = ModelRunnerOutput()
         if sampling:
             # k + 1 rows per request with k drafts: its last known token, then each draft.
-            row_ids = [int(ends[i]) - s.num_draft_tokens + j
+            row_ids = [ends[i] - s.num_draft_tokens + j
                        for i, s in sampling for j in range(s.num_draft_tokens + 1)]
-            logits = self.model.compute_logits(hidden[row_ids])
+            # Every row samples (in order) in a step of decodes: no gather.
+            at_rows = hidden[row_ids] if len(row_ids) < hidden.shape[0] else hidden
+            logits = self.model.compute_logits(at_rows)
             if masks is not None:
                 logits = apply_token_bitmask(logits, self._constrained_rows(sampling),
                                              masks.result())
@@ -133,7 +136,7 @@ class ModelRunner:
                 first += k + 1
         for i, s in enumerate(sched.scheduled):
             if s.sampling_params.prompt_logprobs is not None:
-                entry = self._prompt_logprobs(hidden, int(ends[i]), s)
+                entry = self._prompt_logprobs(hidden, ends[i], s)
                 if entry is not None:
                     out.prompt_logprobs[s.request_id] = entry
         return out
@@ -143,8 +146,8 @@ class ModelRunner:
         """Run the step's forward pass (writing its KV); logits [N, vocab] float32 for the
         N scheduled requests that sample, in schedule order."""
         hidden, ends = self._forward(sched)
-        rows = [i for i, s in enumerate(sched.scheduled) if s.sample]
-        return self.model.compute_logits(hidden[ends[rows]])
+        rows = [ends[i] for i, s in enumerate(sched.scheduled) if s.sample]
+        return self.model.compute_logits(hidden[rows])
 
     @torch.inference_mode()
     def write_kv(self, sched: SchedulerOutput) -> None:
@@ -168,16 +171,16 @@ class ModelRunner:
             best = min(best, time.perf_counter() - start)
         return best
 
-    def _forward(self, sched: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor]:
-        """Hidden states [T, hidden] of every scheduled token; ends [B] (on the host): row of
-        each request's last token."""
+    def _forward(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:
+        """Hidden states [T, hidden] of every scheduled token; ends [B]: row of each
+        request's last token."""
         items = sched.scheduled
         query_lens = [s.num_tokens for s in items]
         seq_lens = [s.start_pos + s.num_tokens for s in items]
         input_ids, positions, tables, slots = self._prepare(sched)
         if self.graphs is not None and self.graphs.fits(query_lens, seq_lens, tables.shape[2]):
             hidden = self.graphs.run(input_ids, positions, slots, tables, seq_lens)
-            return hidden, torch.arange(len(items))
+            return hidden, list(range(len(items)))
         dev = self.device
         input_ids, positions, tables, slots = (input_ids.to(dev), positions.to(dev),
                                                tables.to(dev), slots.to(dev))
@@ -190,8 +193,7 @@ class ModelRunner:
                                self.kv_caches)
         layout = layouts[0]
         hidden = self.model(input_ids, layout.positions, ctx)
-        ends = torch.cumsum(torch.tensor(layout.query_lens), 0) - 1
-        return hidden, ends
+        return hidden, [end - 1 for end in itertools.accumulate(query_lens)]
 
     @staticmethod
     def _constrained_rows(sampling: list[tuple[int, ScheduledRequest]]) -> torch.Tensor:
@@ -237,17 +239,25 @@ class ModelRunner:
         """Flatten the step on the host: token ids [T], positions [T], and per KV cache
         group the padded block tables [G, B, max_blocks] and slot mapping [G, T]."""
         items = sched.scheduled
+        groups = range(self.num_groups)
+        max_blocks = max(len(s.block_ids[g]) for s in items for g in groups)
+        tables = torch.tensor([s.block_ids[g] + [0] * (max_blocks - len(s.block_ids[g]))
+                               for g in groups for s in items], dtype=torch.int64)
+        tables = tables.view(self.num_groups, len(items), max_blocks)  # [G, B, max_blocks]
+        if all(s.num_tokens == 1 for s in items):  # decodes: a few small lists, one tensor
+            bs = self.block_size
+            positions = [s.start_pos for s in items]
+            rows = [[s.token_ids[0] for s in items], positions]
+            rows += [[s.block_ids[g][p // bs] * bs + p % bs for s, p in zip(items, positions)]
+                     for g in groups]
+            flat = torch.tensor(rows, dtype=torch.int64)
+            return flat[0], flat[1], tables, flat[2:]
         query_lens = [s.num_tokens for s in items]
         input_ids = torch.tensor([t for s in items for t in s.token_ids], dtype=torch.int64)
         positions = torch.cat([torch.arange(s.start_pos, s.start_pos + s.num_tokens)
                                for s in items])
         seq_of_token = torch.repeat_interleave(torch.arange(len(items)),
                                                torch.tensor(query_lens))
-        groups = range(self.num_groups)
-        max_blocks = max(len(s.block_ids[g]) for s in items for g in groups)
-        tables = torch.tensor([s.block_ids[g] + [0] * (max_blocks - len(s.block_ids[g]))
-                               for g in groups for s in items], dtype=torch.int64)
-        tables = tables.view(self.num_groups, len(items), max_blocks)  # [G, B, max_blocks]
         slots = (tables[:, seq_of_token, positions // self.block_size] * self.block_size
                  + positions % self.block_size)  # [G, T]
         return input_ids, positions, tables, slots
