@@ -24,6 +24,7 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        check_device(self.device)
         from llmserve.layers.quantization import WeightFormat  # torch: only for a model
 
         choices = quantization_choices()
@@ -31,6 +32,29 @@ class ModelConfig:
             raise ValueError(f"quantization must be one of {choices}, got {self.quantization!r}")
         # The weight format checks dtype and group size (``auto`` is resolved at load).
         WeightFormat("none", self.dtype, self.int4_group_size)
+
+
+def check_device(device: str) -> None:
+    """``cpu``, ``cuda`` or ``cuda:N`` of a GPU this process can use; else a ValueError that
+    says what is available."""
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {device!r}: llmserve runs on cpu, cuda or cuda:N")
+    if dev.type != "cuda":
+        return
+    if not torch.cuda.is_available():
+        build = "a CPU-only build" if torch.version.cuda is None else f"CUDA {torch.version.cuda}"
+        raise ValueError(f"device {device!r}: no CUDA GPU is available to this process "
+                         f"(PyTorch {torch.__version__}, {build}); use --device cpu")
+    count = torch.cuda.device_count()
+    if dev.index is not None and dev.index >= count:
+        raise ValueError(f"device {device!r}: this process sees {count} CUDA GPU(s), "
+                         f"cuda:0 to cuda:{count - 1}")
 
 
 def default_dtype(device: str) -> str:

@@ -53,3 +53,31 @@ def test_cuda_graphs_need_a_cuda_runner(tiny_model_dir):
     assert llm.engine.runner.graphs is None  # CPU: nothing captured
     with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
         llm.engine.runner.capture_cuda_graphs(4, 256)
+
+
+@pytest.mark.parametrize("device,message", [
+    ("tpu", "runs on cpu, cuda or cuda:N"),
+    ("mps", "runs on cpu, cuda or cuda:N"),
+    ("cuda", "no CUDA GPU is available"),
+    ("cuda:3", "no CUDA GPU is available"),
+])
+def test_a_device_that_cannot_serve_is_refused_with_the_choices(device, message):
+    from llmserve.config import ModelConfig
+
+    if torch.cuda.is_available() and device.startswith("cuda"):
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(ValueError, match=message):
+        ModelConfig(device=device)
+
+
+def test_the_cli_says_so_in_one_line():
+    import subprocess
+    import sys
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    proc = subprocess.run([sys.executable, "-m", "llmserve.cli", "generate", "--device", "cuda",
+                           "--prompt", "hi"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0, proc.stderr
+    assert "no CUDA GPU is available" in proc.stderr
