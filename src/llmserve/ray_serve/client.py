@@ -32,7 +32,7 @@ from typing import Any
 from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 from ray.serve.exceptions import BackPressureError, RayServeException, RequestCancelledError
 
-from llmserve.engine.async_llm import (
+from llmserve.engine.events import (
     EngineBusyError,
     EngineHealth,
     EngineUnavailableError,

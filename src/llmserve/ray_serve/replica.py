@@ -16,7 +16,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from llmserve.config import EngineConfig, ServerConfig
-from llmserve.engine.async_llm import AsyncLLM, EngineUnavailableError, QueueFullError, RequestEvent
+from llmserve.engine.async_llm import AsyncLLM
+from llmserve.engine.events import EngineUnavailableError, QueueFullError, RequestEvent
 from llmserve.engine.validation import ContextLengthError
 from llmserve.logger import get_logger
 from llmserve.models.loader import load_tokenizer

@@ -21,7 +21,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from llmserve.config import ServerConfig
-from llmserve.engine.async_llm import AsyncLLM, EngineBusyError, EngineUnavailableError
+from llmserve.engine.async_llm import AsyncLLM
+from llmserve.engine.events import EngineBusyError, EngineUnavailableError
 from llmserve.sampling_params import StructuredOutputsParams
 from llmserve.server.accounts import ANONYMOUS, Accounts, Gatekeeper, ResponseCounter, send_error
 from llmserve.server.console import mount_console

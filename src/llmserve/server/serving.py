@@ -21,16 +21,20 @@ from typing import Any
 
 from starlette.requests import Request
 
-from llmserve.engine.async_llm import (
-    AsyncLLM,
-    QueueFullError,
-    RequestEvent,
-    RequestStream,
-)
+from llmserve.engine.async_llm import AsyncLLM
+from llmserve.engine.events import QueueFullError, RequestEvent, RequestStream
 from llmserve.engine.validation import ContextLengthError
 from llmserve.outputs import Logprob, RequestOutput
 from llmserve.sampling_params import SamplingParams
 from llmserve.server.errors import APIError, bad_request, error_body, param_of
+from llmserve.server.logprobs import (
+    NO_ECHO,
+    Echoed,
+    chat_logprobs,
+    completion_logprobs,
+    echoed_with_logprobs,
+    prompt_logprobs,
+)
 from llmserve.server.tools import ToolCallStream, parse_tool_calls
 
 
@@ -253,18 +257,18 @@ def _full_response(engine: AsyncLLM, job: Job, outputs: list[RequestOutput]) -> 
                                       "stop_reason": c.stop_reason}
             if job.kind == "chat":
                 choice["message"] = _chat_message(job, c.text, choice)
-                choice["logprobs"] = _chat_logprobs(engine, c.logprobs, k)
+                choice["logprobs"] = chat_logprobs(engine.tokenizer, c.logprobs, k)
             else:
                 choice["text"] = echoed.text + c.text
-                choice["logprobs"] = _completion_logprobs(c.logprobs, k, echoed.rows)
+                choice["logprobs"] = completion_logprobs(c.logprobs, k, echoed.rows)
                 if job.prompt_logprobs is not None:
-                    choice["prompt_logprobs"] = _prompt_logprobs(out.prompt_logprobs,
+                    choice["prompt_logprobs"] = prompt_logprobs(out.prompt_logprobs,
                                                                  job.prompt_logprobs)
             choices.append(choice)
     body = {"id": job.request_id, "object": _object(job), "created": job.created,
             "model": job.model, "choices": choices, "usage": _usage(job, outputs)}
     if job.kind == "chat" and job.prompt_logprobs is not None:  # per prompt, as vLLM does
-        body["prompt_logprobs"] = _prompt_logprobs(outputs[0].prompt_logprobs,
+        body["prompt_logprobs"] = prompt_logprobs(outputs[0].prompt_logprobs,
                                                    job.prompt_logprobs)
     return body
 
@@ -342,10 +346,10 @@ async def _sse(engine: AsyncLLM, job: Job,
                         calls = tool_streams.setdefault(index, ToolCallStream(job.tool_names))
                         delta, finish = _tool_delta(job, calls, d.text, finish)
                     choice = {"index": index, "delta": delta,
-                              "logprobs": _chat_logprobs(engine, d.logprobs, k)}
+                              "logprobs": chat_logprobs(engine.tokenizer, d.logprobs, k)}
                 else:
-                    echoed = _echo(engine, job, p, event.prompt_logprobs) if first else _NO_ECHO
-                    logprobs = _completion_logprobs(d.logprobs, k, echoed.rows,
+                    echoed = _echo(engine, job, p, event.prompt_logprobs) if first else NO_ECHO
+                    logprobs = completion_logprobs(d.logprobs, k, echoed.rows,
                                                     offsets.get(index, 0))
                     if logprobs is not None:
                         offsets[index] = (offsets.get(index, 0)
@@ -353,7 +357,7 @@ async def _sse(engine: AsyncLLM, job: Job,
                     choice = {"index": index, "text": echoed.text + d.text,
                               "logprobs": logprobs}
                     if first and job.prompt_logprobs is not None:
-                        choice["prompt_logprobs"] = _prompt_logprobs(event.prompt_logprobs,
+                        choice["prompt_logprobs"] = prompt_logprobs(event.prompt_logprobs,
                                                                      job.prompt_logprobs)
                 choice["finish_reason"] = finish
                 if d.finish_reason is not None:
@@ -425,96 +429,15 @@ def _usage_dict(prompt: int, completion: int, cached: int) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-def _top(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
-    """The k most likely tokens of a logprobs entry (the chosen token comes first in it and
-    belongs here only if it ranks within the top k)."""
-    return sorted(((t, lp) for t, lp in entry.items() if lp.rank <= k), key=lambda x: x[1].rank)
-
-
-# One token of a completions logprobs object: its text, logprob and top alternatives (both
-# None for the prompt's first token, which nothing predicts).
-_Row = tuple[str, float | None, dict[str, float] | None]
-
-
-@dataclass
-class _Echoed:
-    """What a choice starts with under echo: the prompt's text, and its logprobs rows when
-    logprobs were asked (None otherwise)."""
-
-    text: str = ""
-    rows: list[_Row] | None = None
-
-
-_NO_ECHO = _Echoed()
-
-
 def _echo(engine: AsyncLLM, job: Job, p: int,
-          prompt_logprobs: list[dict[int, Logprob] | None] | None) -> _Echoed:
-    """The echo of prompt ``p``: its text as sent, or decoded when it came as token ids."""
+          entries: list[dict[int, Logprob] | None] | None) -> Echoed:
+    """The echo of prompt ``p``: its text as sent, or decoded when it came as token ids;
+    with its logprobs rows (from the engine's prompt logprobs ``entries``) when asked."""
     if not job.echo:
-        return _NO_ECHO
+        return NO_ECHO
     text, ids = job.prompts[p]
     if text is None:
         text = engine.tokenizer.decode(ids, skip_special_tokens=False)
     if job.params.logprobs is None:
-        return _Echoed(text)
-    if prompt_logprobs is None or len(prompt_logprobs) != len(ids):
-        raise RuntimeError("the engine returned no prompt logprobs for an echoed prompt")
-    k = job.params.logprobs
-    rows: list[_Row] = [(engine.tokenizer.token_text(ids[0]), None, None)]
-    rows += [_row(entry, k) for entry in prompt_logprobs[1:] if entry is not None]
-    if len(rows) != len(ids):
-        raise RuntimeError("the engine's prompt logprobs miss some prompt tokens")
-    return _Echoed(text, rows)
-
-
-def _row(entry: dict[int, Logprob], k: int) -> _Row:
-    chosen = next(iter(entry.values()))
-    return (chosen.decoded_token, chosen.logprob,
-            {lp.decoded_token: lp.logprob for _, lp in _top(entry, k)})
-
-
-def _completion_logprobs(entries: list[dict[int, Logprob]] | None, k: int,
-                         echoed: list[_Row] | None = None,
-                         offset: int = 0) -> dict[str, Any] | None:
-    """OpenAI's legacy logprobs object over the echoed prompt's rows (if any), then the
-    generated tokens; text_offset counts on from ``offset`` (what a stream's earlier chunks
-    of the choice covered)."""
-    if entries is None and echoed is None:
-        return None
-    rows = (echoed or []) + [_row(entry, k) for entry in entries or ()]
-    offsets, pos = [], offset
-    for token, _, _ in rows:
-        offsets.append(pos)
-        pos += len(token)
-    return {"tokens": [r[0] for r in rows], "token_logprobs": [r[1] for r in rows],
-            "top_logprobs": [r[2] for r in rows], "text_offset": offsets}
-
-
-def _prompt_logprobs(entries: list[dict[int, Logprob] | None] | None,
-                     k: int) -> list[dict[str, dict[str, Any]] | None] | None:
-    """vLLM's prompt_logprobs: None for the first token, then per prompt token its own
-    logprob and the top k (keys are token ids as strings, as JSON needs)."""
-    if entries is None:
-        return None
-    return [None if entry is None else {
-        str(tid): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
-        for j, (tid, lp) in enumerate(entry.items()) if j == 0 or lp.rank <= k}
-        for entry in entries]
-
-
-def _chat_logprobs(engine: AsyncLLM, entries: list[dict[int, Logprob]] | None,
-                   k: int) -> dict[str, Any] | None:
-    if entries is None:
-        return None
-    tok = engine.tokenizer
-    content = []
-    for entry in entries:
-        chosen_id, chosen = next(iter(entry.items()))
-        content.append({
-            "token": chosen.decoded_token, "logprob": chosen.logprob,
-            "bytes": list(tok.token_bytes(chosen_id)),
-            "top_logprobs": [{"token": lp.decoded_token, "logprob": lp.logprob,
-                              "bytes": list(tok.token_bytes(tid))} for tid, lp in _top(entry, k)],
-        })
-    return {"content": content}
+        return Echoed(text)
+    return echoed_with_logprobs(engine.tokenizer, text, ids, entries, job.params.logprobs)
