@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One session on a lent GPU machine, from the repository root: the CUDA tests, then
-# benchmarks/cuda_bench.py. Expects .gpu/whl (wheels of what the machine's image lacks:
+# benchmarks/cuda_bench.py, then the HTTP server on the GPU (benchmarks/cuda_server_smoke.py;
+# SERVER=0 skips it). Expects .gpu/whl (wheels of what the machine's image lacks:
 # gguf, llguidance, msgspec) and .gpu/tokenizer (SmolLM2's tokenizer, saved), carried along
 # (benchmarks/cuda_payload.sh makes them). Writes logs and results to $OUT (default:
 # ./cuda-out).
@@ -20,3 +21,7 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
 fi
 timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/cuda_bench.py --tokenizer .gpu/tokenizer \
     --out "$OUT/cuda_bench.json" ${BENCH_ARGS:-} 2>&1 | grep -v " INFO " | tee "$OUT/bench.log" | tail -20
+if [ "${SERVER:-1}" != 0 ]; then  # the HTTP server on the GPU (needs the server's wheels)
+  timeout "${SERVER_TIMEOUT:-200}" python3 benchmarks/cuda_server_smoke.py --device cuda \
+      --tokenizer .gpu/tokenizer 2>&1 | grep -E "^(ok|FAIL)" | tee "$OUT/server.log"
+fi
