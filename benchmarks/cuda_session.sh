@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One session on a lent GPU machine, from the repository root: the CUDA tests, then
 # benchmarks/cuda_bench.py, then the HTTP server on the GPU (benchmarks/cuda_server_smoke.py;
-# SERVER=0 skips it). Expects .gpu/whl (wheels of what the machine's image lacks:
-# gguf, llguidance, msgspec) and .gpu/tokenizer (SmolLM2's tokenizer, saved), carried along
+# SERVER=0 skips it). Expects .gpu/whl (wheels of what the machine's image lacks for the
+# engine and the server) and .gpu/tokenizer (SmolLM2's tokenizer, saved), carried along
 # (benchmarks/cuda_payload.sh makes them). Writes logs and results to $OUT (default:
 # ./cuda-out).
 set -uo pipefail
