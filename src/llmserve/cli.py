@@ -192,7 +192,6 @@ def _engine_config(args: argparse.Namespace):
         ModelConfig,
         SchedulerConfig,
         SpeculativeConfig,
-        default_dtype,
     )
 
     speculative = None
@@ -201,7 +200,7 @@ def _engine_config(args: argparse.Namespace):
     return EngineConfig(
         model=ModelConfig(args.model, args.device, args.max_model_len,
                           quantization=args.quantization,
-                          dtype=args.dtype or default_dtype(args.device),
+                          dtype=args.dtype,
                           enforce_eager=args.enforce_eager,
                           int4_group_size=args.int4_group_size),
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory_gib=args.kv_cache_memory,

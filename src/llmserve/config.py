@@ -16,7 +16,7 @@ class ModelConfig:
     device: str = "cpu"
     max_model_len: int | None = None  # default: the model's own context length
     quantization: str = "auto"  # auto: what the file holds (GGUF 4-bit -> int4, ...)
-    dtype: str = "float32"  # of the weights kept dense
+    dtype: str | None = None  # of the weights kept dense (None: default_dtype(device))
     int4_group_size: int = 32
     # On CUDA: no CUDA graphs of the decode step (every step runs eagerly).
     enforce_eager: bool = False
@@ -25,6 +25,8 @@ class ModelConfig:
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         check_device(self.device)
+        if self.dtype is None:
+            object.__setattr__(self, "dtype", default_dtype(self.device))
         from llmserve.layers.quantization import WeightFormat  # torch: only for a model
 
         choices = quantization_choices()
@@ -34,9 +36,10 @@ class ModelConfig:
         WeightFormat("none", self.dtype, self.int4_group_size)
 
 
-def check_device(device: str) -> None:
-    """``cpu``, ``cuda`` or ``cuda:N`` of a GPU this process can use; else a ValueError that
-    says what is available."""
+def check_device(device: str, *, available: bool = False) -> None:
+    """``device`` is ``cpu``, ``cuda`` or ``cuda:N``, and with ``available`` one this process
+    can use (checked where the model loads: a Ray head may configure GPUs it lacks); else a
+    ValueError that says what is allowed or available."""
     import torch
 
     try:
@@ -45,7 +48,7 @@ def check_device(device: str) -> None:
         dev = None
     if dev is None or dev.type not in ("cpu", "cuda"):
         raise ValueError(f"device {device!r}: llmserve runs on cpu, cuda or cuda:N")
-    if dev.type != "cuda":
+    if dev.type != "cuda" or not available:
         return
     if not torch.cuda.is_available():
         build = "a CPU-only build" if torch.version.cuda is None else f"CUDA {torch.version.cuda}"

@@ -62,12 +62,15 @@ def test_cuda_graphs_need_a_cuda_runner(tiny_model_dir):
     ("cuda:3", "no CUDA GPU is available"),
 ])
 def test_a_device_that_cannot_serve_is_refused_with_the_choices(device, message):
-    from llmserve.config import ModelConfig
+    from llmserve.config import ModelConfig, check_device
 
     if torch.cuda.is_available() and device.startswith("cuda"):
         pytest.skip("this machine has a GPU")
     with pytest.raises(ValueError, match=message):
-        ModelConfig(device=device)
+        check_device(device, available=True)
+    if not device.startswith("cuda"):  # configuring GPUs is allowed where they are absent
+        with pytest.raises(ValueError, match=message):
+            ModelConfig(device=device)
 
 
 def test_the_cli_says_so_in_one_line():

@@ -190,3 +190,15 @@ def test_graph_metadata_gives_the_eager_result():
 def test_unknown_kv_dtype_is_refused_with_the_choices():
     with pytest.raises(ValueError, match="fp8_e4m3"):
         TritonKVCache.allocate("int8", 2, BLOCK, 1, 16, DEVICE)
+
+
+def test_partials_hold_only_the_segments_each_row_reaches():
+    """A long-context decode batched with a prefill chunk: the chunk's rows keep one entry
+    of partials each, not one per segment of the longest context."""
+    backend = TritonPagedBackend()
+    batch = Batch([(0, 40), (3 * SEGMENT + 5, 1)], 4, 2, 16, "float32", torch.float32, seed=5)
+    layout, _ = batch.layout()
+    meta = backend.build_metadata(layout)
+    assert meta.split and meta.num_segments == 4
+    assert meta.part_entries == 40 * 1 + 4
+    assert meta.part_start.tolist() == list(range(41))

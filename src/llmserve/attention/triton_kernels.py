@@ -45,7 +45,7 @@ def _dot(a, b, UPCAST: tl.constexpr):
 def paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_ptr, tile_seq_ptr, tile_first_ptr,
-    out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
+    out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, part_start_ptr,
     scale, window,
     stride_qt, stride_qh,
     stride_ot, stride_oh,
@@ -53,7 +53,7 @@ def paged_attention_kernel(
     stride_vb, stride_vs, stride_vh,
     stride_sb, stride_ss,
     stride_bt,
-    stride_pt, stride_ph,
+    num_heads,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_Q: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, SEGMENT: tl.constexpr,
@@ -61,7 +61,10 @@ def paged_attention_kernel(
 ):
     """Grid: (query tiles, KV heads, segments). ``tile_seq``/``tile_first``: each tile's
     sequence and first token (a row of the flat batch); ``seq_lens``: each sequence's
-    context after this step; ``query_start``: [B + 1] first token of each sequence."""
+    context after this step; ``query_start``: [B + 1] first token of each sequence.
+    With SPLIT, token t's partials for segment s are at entry ``part_start[t] + s`` of
+    [entries, query heads] (maximum, sum) and [entries, query heads, HEAD_P] (output):
+    a token has entries for segments 0 .. position // SEGMENT only."""
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_P
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -128,19 +131,22 @@ def paged_attention_kernel(
         v = tl.load(v_cache_ptr + block[:, None] * stride_vb + slot[:, None] * stride_vs
                     + kv_head * stride_vh + dims[None, :],
                     mask=key_ok[:, None] & dim_ok[None, :], other=0.0)  # [BLOCK_N, HEAD_P]
-        if SCALED:
+        if SCALED:  # values dequantized: scaled probabilities would underflow in float16
             v_scale = tl.load(v_scale_ptr + block * stride_sb + slot * stride_ss + kv_head,
                               mask=key_ok, other=0.0)
-            p = p * v_scale[None, :]
+            v = v.to(tl.float32) * v_scale[:, None]
         acc = acc * alpha[:, None] + _dot(p.to(q.dtype), v.to(q.dtype), UPCAST)
         m_i = m_new
 
     if SPLIT:
-        part = token * stride_pt + q_head * stride_ph + segment
-        tl.store(part_m_ptr + part, m_i, mask=valid)
-        tl.store(part_l_ptr + part, l_i, mask=valid)
+        # Only the segments a row's keys reach have entries (the rest of the tile's do not).
+        has = valid & (segment <= position // SEGMENT)
+        start = tl.load(part_start_ptr + token, mask=has, other=0).to(tl.int64)
+        part = (start + segment) * num_heads + q_head
+        tl.store(part_m_ptr + part, m_i, mask=has)
+        tl.store(part_l_ptr + part, l_i, mask=has)
         tl.store(part_acc_ptr + part[:, None] * HEAD_P + dims[None, :], acc,
-                 mask=valid[:, None])
+                 mask=has[:, None])
     else:
         out = acc / l_i[:, None]
         tl.store(out_ptr + token[:, None] * stride_ot + q_head[:, None] * stride_oh
@@ -150,8 +156,8 @@ def paged_attention_kernel(
 
 @triton.jit
 def combine_segments_kernel(
-    positions_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, window,
-    stride_pt, stride_ph, stride_ot, stride_oh,
+    positions_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, part_start_ptr, out_ptr, window,
+    num_heads, stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, HEAD_P: tl.constexpr, SEGMENT: tl.constexpr,
     WINDOWED: tl.constexpr,
 ):
@@ -164,18 +170,20 @@ def combine_segments_kernel(
     if WINDOWED:
         first = tl.maximum(position - window + 1, 0) // SEGMENT
     last = position // SEGMENT
-    base = token * stride_pt + head * stride_ph
-    m_max = tl.load(part_m_ptr + base + first)
-    for s in range(first + 1, last + 1):
-        m_max = tl.maximum(m_max, tl.load(part_m_ptr + base + s))
+    start = tl.load(part_start_ptr + token).to(tl.int64)
     dims = tl.arange(0, HEAD_P)
-    w = tl.exp(tl.load(part_m_ptr + base + first) - m_max)
-    total = tl.load(part_l_ptr + base + first) * w
-    acc = tl.load(part_acc_ptr + (base + first) * HEAD_P + dims) * w
+    m_max = tl.load(part_m_ptr + (start + first) * num_heads + head)
     for s in range(first + 1, last + 1):
-        w = tl.exp(tl.load(part_m_ptr + base + s) - m_max)
-        total = total + tl.load(part_l_ptr + base + s) * w
-        acc = acc + tl.load(part_acc_ptr + (base + s) * HEAD_P + dims) * w
+        m_max = tl.maximum(m_max, tl.load(part_m_ptr + (start + s) * num_heads + head))
+    part = (start + first) * num_heads + head
+    w = tl.exp(tl.load(part_m_ptr + part) - m_max)
+    total = tl.load(part_l_ptr + part) * w
+    acc = tl.load(part_acc_ptr + part * HEAD_P + dims) * w
+    for s in range(first + 1, last + 1):
+        part = (start + s) * num_heads + head
+        w = tl.exp(tl.load(part_m_ptr + part) - m_max)
+        total = total + tl.load(part_l_ptr + part) * w
+        acc = acc + tl.load(part_acc_ptr + part * HEAD_P + dims) * w
     out = acc / total
     tl.store(out_ptr + token * stride_ot + head * stride_oh + dims,
              out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)

@@ -24,9 +24,10 @@ from llmserve.attention.backend import BatchLayout, register_attention_backend
 from llmserve.attention.kv_format import GPU_ONLY_KV_CACHE_DTYPES, KV_CACHE_DTYPES
 from llmserve.layers.gpu_kernels import gpu_ops_for
 
-SEGMENT = 512  # keys per split-K segment (a multiple of BLOCK_N)
+SEGMENT = 512  # keys per split-K segment
 BLOCK_N = 64  # keys per tile
 BLOCK_M = 64  # query rows per program: BLOCK_Q tokens x the query heads of one KV head
+assert SEGMENT % BLOCK_N == 0, "a segment is whole key tiles"
 
 # name -> (storage dtype, largest code for scaled formats, or None when stored as is)
 GPU_KV_CACHE_DTYPES: dict[str, tuple[torch.dtype, float | None]] = {
@@ -114,6 +115,10 @@ class TritonPagedMetadata:
     query_lens: list[int]
     num_segments: int  # the grid's third dimension
     split: bool  # partials and a fold (always for contexts past one segment)
+    # With split: each token's first entry of partials (a token at position p has
+    # p // SEGMENT + 1 of them), and the entries of the whole step.
+    part_start: torch.Tensor | None = None  # [T] int32
+    part_entries: int = 0
     # Query tiles per tokens-per-tile: (tile -> sequence, tile -> first token, count).
     tiles: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = field(default_factory=dict)
 
@@ -152,14 +157,22 @@ class TritonPagedBackend:
         starts = [0]
         for n in layout.query_lens:
             starts.append(starts[-1] + n)
-        device = layout.positions.device
-        # One transfer for both: sequence lengths, then query starts.
-        ints = torch.tensor(layout.seq_lens + starts, dtype=torch.int32).to(device)
         num_b = len(layout.seq_lens)
         num_segments = -(-max(layout.seq_lens) // SEGMENT)
-        return TritonPagedMetadata(layout.slot_mapping, layout.block_tables, ints[:num_b],
-                                   ints[num_b:], layout.positions, list(layout.query_lens),
-                                   num_segments, num_segments > 1)
+        host = torch.tensor(layout.seq_lens + starts, dtype=torch.int32)
+        part_entries = 0
+        if num_segments > 1:  # each token's partials where the previous token's end
+            positions = torch.cat([torch.arange(s - n, s, dtype=torch.int32)
+                                   for n, s in zip(layout.query_lens, layout.seq_lens)])
+            entries = positions // SEGMENT + 1
+            part_entries = int(entries.sum())
+            host = torch.cat([host, torch.cumsum(entries, 0, dtype=torch.int32) - entries])
+        # One transfer: sequence lengths, query starts, and the partials' starts.
+        ints = host.to(layout.positions.device)
+        return TritonPagedMetadata(
+            layout.slot_mapping, layout.block_tables, ints[:num_b], ints[num_b:2 * num_b + 1],
+            layout.positions, list(layout.query_lens), num_segments, num_segments > 1,
+            ints[2 * num_b + 1:] if num_segments > 1 else None, part_entries)
 
     def build_graph_metadata(self, layout: BatchLayout, seq_lens: torch.Tensor,
                              max_seq_len: int) -> TritonPagedMetadata:
@@ -169,11 +182,15 @@ class TritonPagedBackend:
         num_b = len(layout.query_lens)
         device = layout.positions.device
         arange = torch.arange(num_b + 1, dtype=torch.int32, device=device)
+        num_segments = -(-max_seq_len // SEGMENT)
+        # Every row may reach every segment: num_segments entries of partials each.
         meta = TritonPagedMetadata(layout.slot_mapping, layout.block_tables, seq_lens,
-                                   arange, layout.positions, [1] * num_b,
-                                   -(-max_seq_len // SEGMENT), True)
-        for block_q in (1, 2, 4, 8, 16, 32, 64):  # one tile per sequence whatever BLOCK_Q
+                                   arange, layout.positions, [1] * num_b, num_segments, True,
+                                   arange[:num_b] * num_segments, num_b * num_segments)
+        block_q = BLOCK_M
+        while block_q >= 1:  # one tile per sequence whatever the tile's tokens
             meta.tiles[block_q] = (arange[:num_b], arange[:num_b], num_b)
+            block_q //= 2
         return meta
 
     def rebind(self, metadata: TritonPagedMetadata, layout: BatchLayout) -> TritonPagedMetadata:
@@ -196,13 +213,14 @@ class TritonPagedBackend:
         out = q.new_empty(num_tokens, num_heads, head_dim)
         nseg = metadata.num_segments
         if metadata.split:
-            part_m = torch.empty(num_tokens, num_heads, nseg, dtype=torch.float32,
-                                 device=q.device)
+            entries = metadata.part_entries
+            part_m = torch.empty(entries, num_heads, dtype=torch.float32, device=q.device)
             part_l = torch.empty_like(part_m)
-            part_acc = torch.empty(num_tokens, num_heads, nseg, head_p, dtype=torch.float32,
+            part_acc = torch.empty(entries, num_heads, head_p, dtype=torch.float32,
                                    device=q.device)
+            part_start = metadata.part_start
         else:
-            part_m = part_l = part_acc = out  # unused
+            part_m = part_l = part_acc = part_start = out  # unused
         scaled = kv_cache.key_scale is not None
         k_scale = kv_cache.key_scale if scaled else kv_cache.key
         v_scale = kv_cache.value_scale if scaled else kv_cache.value
@@ -211,21 +229,20 @@ class TritonPagedBackend:
         kern.paged_attention_kernel[(num_tiles, num_kv_heads, nseg)](
             q, key, value, k_scale, v_scale,
             metadata.block_tables, metadata.seq_lens, metadata.query_start, tile_seq,
-            tile_first, out, part_m, part_l, part_acc,
+            tile_first, out, part_m, part_l, part_acc, part_start,
             scale, window or 0,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             key.stride(0), key.stride(1), key.stride(2),
             value.stride(0), value.stride(1), value.stride(2),
             num_kv_heads * kv_cache.block_size if scaled else 0, num_kv_heads if scaled else 0,
-            metadata.block_tables.stride(0),
-            num_heads * nseg, nseg,
+            metadata.block_tables.stride(0), num_heads,
             GROUP=group, GROUP_P=group_p, BLOCK_Q=block_q, HEAD_DIM=head_dim, HEAD_P=head_p,
             BLOCK_SIZE=kv_cache.block_size, BLOCK_N=BLOCK_N, SEGMENT=SEGMENT, SCALED=scaled,
             WINDOWED=window is not None, SPLIT=metadata.split, UPCAST=kern.INTERPRETED)
         if metadata.split:
             kern.combine_segments_kernel[(num_tokens, num_heads)](
-                metadata.positions, part_m, part_l, part_acc, out, window or 0,
-                num_heads * nseg, nseg, out.stride(0), out.stride(1),
+                metadata.positions, part_m, part_l, part_acc, part_start, out, window or 0,
+                num_heads, out.stride(0), out.stride(1),
                 HEAD_DIM=head_dim, HEAD_P=head_p, SEGMENT=SEGMENT,
                 WINDOWED=window is not None)
         return out.view(num_tokens, num_heads * head_dim)

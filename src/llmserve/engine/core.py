@@ -24,6 +24,7 @@ from llmserve.kv_cache.sizing import default_kv_cache_memory_gib, describe_capac
 from llmserve.logger import get_logger
 from llmserve.models.loader import LoadedModel, load_model
 from llmserve.runner import ModelRunner
+from llmserve.runner.cuda_graphs import MAX_CONTEXT as MAX_GRAPH_CONTEXT
 from llmserve.sampling_params import SamplingParams
 from llmserve.scheduler import Scheduler, SchedulerStats
 from llmserve.structured_output import GrammarBackend
@@ -86,7 +87,13 @@ class EngineCore:
                                   kv_groups=[g.layers for g in groups])
         self.kv_cache_seconds = time.perf_counter() - start  # allocating the KV tensors
         if self.runner.device.type == "cuda" and not mc.enforce_eager:
-            self.runner.capture_cuda_graphs(config.scheduler.max_num_seqs, self.max_model_len)
+            if hasattr(self.runner.backend, "build_graph_metadata"):
+                self.runner.capture_cuda_graphs(config.scheduler.max_num_seqs,
+                                                min(self.max_model_len, MAX_GRAPH_CONTEXT))
+            else:
+                logger.warning("no CUDA graphs: the %s attention backend cannot be captured "
+                               "(install Triton for triton_paged); every step runs eagerly",
+                               self.runner.backend.name)
         self.runner.grammar = GrammarBackend(self.tokenizer, arch.vocab_size,
                                              self.eos_token_ids)
         self.runner.grammar.warm_up()  # llguidance's view of the vocabulary, in background

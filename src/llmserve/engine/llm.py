@@ -32,7 +32,7 @@ class LLM:
                  enable_prefix_caching: bool = True, max_num_batched_tokens: int = 2048,
                  max_num_seqs: int = 64, scheduling: str = "continuous",
                  policy: str = "fcfs", enable_chunked_prefill: bool = True,
-                 seed: int = 0, quantization: str = "auto", dtype: str = "float32",
+                 seed: int = 0, quantization: str = "auto", dtype: str | None = None,
                  int4_group_size: int = 32, kv_cache_dtype: str = "auto",
                  enforce_eager: bool = False,
                  hybrid_kv_cache: bool = True,

@@ -51,6 +51,10 @@ class RotaryEmbedding(nn.Module):
         # The step's tables, looked up once and reused by every layer of the step.
         self._step: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
+    def forget_step(self) -> None:
+        """Drop the step's looked-up tables (before a CUDA graph captures the lookup)."""
+        self._step = None
+
     def forward(self, positions: torch.Tensor, q: torch.Tensor,
                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``positions``: [T] int64; ``q``: [T, Hq, D]; ``k``: [T, Hkv, D]. On CPU the

@@ -146,13 +146,13 @@ def _rms_norm_kernel(x_ptr, delta_ptr, w_ptr, out_ptr, n, eps, stride_x, stride_
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> torch.Tensor:
-    """RMSNorm of the rows of ``x`` [T, H]; with ``residual``: ``residual += x`` in place
-    first, and the norm is of the sum."""
-    target = x if residual is None else residual
-    rows, n = target.shape
-    out = torch.empty_like(target)
+    """RMSNorm of the rows of ``x`` [T, H]; with ``residual``, ``x`` is a delta: first
+    ``residual += x`` in place, and the norm is of the sum."""
+    rows_of = x if residual is None else residual
+    rows, n = rows_of.shape
+    out = torch.empty_like(rows_of)
     if rows:
-        _rms_norm_kernel[(rows,)](target, x, weight, out, n, eps, target.stride(0),
+        _rms_norm_kernel[(rows,)](rows_of, x, weight, out, n, eps, rows_of.stride(0),
                                   x.stride(0), out.stride(0), ADD=residual is not None,
                                   BLOCK=triton.next_power_of_2(n))
     return out

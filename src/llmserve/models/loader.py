@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from llmserve.config import check_device
 from llmserve.csrc import cpu_ops
 from llmserve.errors import ModelLoadError
 from llmserve.layers.quantization import WeightFormat
@@ -89,6 +90,10 @@ def load_model(model: str = DEFAULT_MODEL, device: str | torch.device = "cpu", *
     used as a speculative draft model).
     """
     start = time.perf_counter()
+    try:
+        check_device(str(device), available=True)
+    except ValueError as e:
+        raise ModelLoadError(str(e)) from None
     path = resolve_model_path(model)
     gguf = None
     if path.is_dir():

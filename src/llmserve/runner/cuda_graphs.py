@@ -6,10 +6,13 @@ one launch. Graphs are captured at start-up for batch sizes 1, 2, 4, 8 and every
 of 16 up to the largest the scheduler sends (``max_num_seqs``); a decode-only step of B
 sequences replays the smallest graph of at least B, with the rows past B padded:
 
-- a padded row decodes token 0 at position 0 with a context of one key, and writes its key
-  and value into a scratch slot (one block past the cache's blocks) that no table holds;
+- a padded row decodes token 0 at position 0 in a scratch block (one block past the cache's
+  blocks, in no request's table): it writes its key and value there and reads only them;
 - the attention metadata's tensors are the graph's static inputs (``build_graph_metadata``),
-  and its grid covers every segment of the longest context the model allows.
+  and its grid covers every segment of the longest context captured (``MAX_CONTEXT``
+  tokens at most: the attention's partials grow with it; longer contexts decode eagerly);
+- a step's inputs go from pinned host buffers in asynchronous copies, and the next step
+  waits for those copies before it writes the buffers again.
 
 Steps with a prefill chunk or speculative drafts run eagerly (``--enforce-eager``: every
 step). The same kernels run in both, with the same arithmetic per row, so a sequence's
@@ -24,9 +27,12 @@ import torch
 
 from llmserve.attention import AttentionContext
 from llmserve.attention.backend import BatchLayout
+from llmserve.layers.rotary import RotaryEmbedding
 from llmserve.logger import get_logger
 
 logger = get_logger(__name__)
+
+MAX_CONTEXT = 16384  # the longest context a captured decode step serves
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -42,7 +48,8 @@ class DecodeGraphs:
 
     def __init__(self, runner, max_batch: int, max_seq_len: int, scratch_slot: int) -> None:
         """``runner``: a ``ModelRunner`` whose attention backend builds graph metadata;
-        ``scratch_slot``: a cache slot outside every block table (padded rows write there)."""
+        ``scratch_slot``: the first slot of a block outside every block table (padded rows
+        work there)."""
         self.runner = runner
         self.buckets = batch_buckets(max_batch)
         self.max_seq_len = max_seq_len
@@ -55,9 +62,12 @@ class DecodeGraphs:
         self.slots = torch.full((groups, max_batch), scratch_slot, dtype=torch.int64, device=dev)
         self.tables = torch.zeros(groups, max_batch, width, dtype=torch.int64, device=dev)
         self.seq_lens = torch.ones(max_batch, dtype=torch.int32, device=dev)
-        # Pinned host copies: each step's inputs go over in asynchronous copies.
+        # Pinned host copies: each step's inputs go over in asynchronous copies (the block
+        # tables flat, so that a step's rows are one contiguous source).
         self._host = {name: torch.empty_like(t, device="cpu").pin_memory()
                       for name, t in self._static().items()}
+        self._host["tables"] = self._host["tables"].view(-1)
+        self._copied = torch.cuda.Event()  # recorded after a step's copies
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, object]] = {}
         self.capture_seconds = 0.0
         self.replays = 0  # steps served by a graph (tests, metrics)
@@ -66,21 +76,26 @@ class DecodeGraphs:
     def max_batch(self) -> int:
         return self.buckets[-1]
 
+    @torch.inference_mode()
     def capture(self) -> None:
         """Warm up and capture every bucket, largest first (the smaller ones reuse its
         memory pool)."""
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
+        model = self.runner.model
+        rotaries = [m for m in model.modules() if isinstance(m, RotaryEmbedding)]
         for size in reversed(self.buckets):
             ctx = self._context(size)
             ids, positions = self.input_ids[:size], self.positions[:size]
             for _ in range(2):  # compiles the kernels; settles the allocator
-                self.runner.model(ids, positions, ctx)
+                model(ids, positions, ctx)
             torch.cuda.synchronize(self.runner.device)
+            for rotary in rotaries:  # its per-step tables must be looked up inside the graph
+                rotary.forget_step()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                hidden = self.runner.model(ids, positions, ctx)
-            self._graphs[size] = (graph, hidden, ctx)
+                hidden = model(ids, positions, ctx)
+            self._graphs[size] = (graph, hidden, ctx)  # ctx: keeps the metadata alive
         torch.cuda.synchronize(self.runner.device)
         self.capture_seconds = time.perf_counter() - start
         logger.info("captured CUDA graphs of the decode step for %d batch sizes (1 to %d) in "
@@ -100,22 +115,27 @@ class DecodeGraphs:
         size = len(seq_lens)
         bucket = next(b for b in self.buckets if b >= size)
         graph, hidden, _ = self._graphs[bucket]
-        host, width = self._host, tables.shape[2]
+        groups, _, width = tables.shape
+        self._copied.synchronize()  # the last step's copies have read the host buffers
+        host = self._host
         host["input_ids"][:size] = input_ids
         host["positions"][:size] = positions
         host["slots"][:, :size] = slots
-        host["tables"][:, :size, :width] = tables
         host["seq_lens"][:size] = torch.tensor(seq_lens, dtype=torch.int32)
-        if bucket > size:  # padded rows: token 0 at position 0, written to the scratch slot
+        rows = host["tables"][:groups * size * width].view(groups, size, width)
+        rows.copy_(tables)
+        if bucket > size:  # padded rows: token 0 at position 0 in the scratch block
             host["input_ids"][size:bucket] = 0
             host["positions"][size:bucket] = 0
             host["slots"][:, size:bucket] = self.scratch_slot
             host["seq_lens"][size:bucket] = 1
+            self.tables[:, size:bucket, 0] = self.scratch_slot // self.runner.block_size
         static = self._static()
         for name in ("input_ids", "positions", "seq_lens"):
             static[name][:bucket].copy_(host[name][:bucket], non_blocking=True)
         self.slots[:, :bucket].copy_(host["slots"][:, :bucket], non_blocking=True)
-        self.tables[:, :size, :width].copy_(host["tables"][:, :size, :width], non_blocking=True)
+        self.tables[:, :size, :width].copy_(rows, non_blocking=True)
+        self._copied.record()
         graph.replay()
         self.replays += 1
         return hidden[:size]
@@ -127,6 +147,8 @@ class DecodeGraphs:
     def _context(self, size: int) -> AttentionContext:
         runner = self.runner
         backend = runner.backend
+        # Query and sequence lengths as lists are placeholders (one query each): the
+        # kernels read the static tensors.
         layouts = [BatchLayout(self.slots[g, :size], self.tables[g, :size],
                                self.positions[:size], [1] * size, [1] * size,
                                runner.block_size) for g in range(runner.num_groups)]

@@ -58,7 +58,8 @@ class ModelRunner:
             raise ValueError(f"kv_groups must split the {cfg.num_hidden_layers} layers into "
                              f"groups of one size, got {groups}")
         # Layer j of every group stores its KV in the j-th tensor, at the group's block ids.
-        # On a GPU one block more: the scratch slots that padded CUDA-graph rows write to.
+        # On a GPU one block more (also when no graph is captured): the scratch block that
+        # padded CUDA-graph rows work in. ``num_blocks`` stays the allocator's count.
         self.num_blocks = num_blocks
         extra = 1 if self.device.type == "cuda" else 0
         tensors = [self.backend.allocate_kv_cache(kv_cache_dtype, num_blocks + extra, block_size,
@@ -114,7 +115,8 @@ class ModelRunner:
             # k + 1 rows per request with k drafts: its last known token, then each draft.
             row_ids = [ends[i] - s.num_draft_tokens + j
                        for i, s in sampling for j in range(s.num_draft_tokens + 1)]
-            # Every row samples (in order) in a step of decodes: no gather.
+            # When every row samples (decodes, verification rows) they are in order: no
+            # gather.
             at_rows = hidden[row_ids] if len(row_ids) < hidden.shape[0] else hidden
             logits = self.model.compute_logits(at_rows)
             if masks is not None:
