@@ -47,6 +47,7 @@ from llmserve.engine.messages import (
 from llmserve.engine.output_processor import OutputProcessor, RequestState, SequenceDelta
 from llmserve.engine.validation import check_request
 from llmserve.logger import get_logger
+from llmserve.models.loader import load_tokenizer
 from llmserve.sampling_params import SamplingParams
 from llmserve.scheduler.output import SchedulerStats
 from llmserve.tokenizer import Tokenizer
@@ -76,14 +77,15 @@ def estimated_waiting(engine_waiting: int, in_transit: int, max_num_seqs: int,
 
 
 class AsyncLLM:
-    def __init__(self, config: EngineConfig, tokenizer: Tokenizer, *,
+    def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None = None, *,
                  max_queued_requests: int | None = None, max_queued_tokens: int | None = None,
                  request_timeout: float | None = None, stats: StatsSink | None = None,
                  hang_timeout: float = 60.0, max_restarts: int = 5,
                  restart_window: float = 300.0,
                  on_fatal: Callable[[str], None] | None = None) -> None:
+        """``tokenizer``: the model's own (loaded from ``config``) unless given."""
         self.config = config
-        self.tokenizer = tokenizer
+        self.tokenizer = tokenizer or load_tokenizer(config.model.model)
         self.max_queued_requests = max_queued_requests
         self.max_queued_tokens = max_queued_tokens
         self.request_timeout = request_timeout
@@ -101,7 +103,7 @@ class AsyncLLM:
         self.restart_times: deque[float] = deque()
         self.num_restarts = 0
         self._proc: EngineProcess | None = None
-        self._processor = OutputProcessor(tokenizer)
+        self._processor = OutputProcessor(self.tokenizer)
         self._tracked: dict[str, _Tracked] = {}
         self._ids = itertools.count()
         self._tasks: list[asyncio.Task] = []

@@ -20,7 +20,6 @@ from llmserve.engine.async_llm import AsyncLLM
 from llmserve.engine.events import EngineUnavailableError, QueueFullError, RequestEvent
 from llmserve.engine.validation import ContextLengthError
 from llmserve.logger import get_logger
-from llmserve.models.loader import load_tokenizer
 from llmserve.ray_serve.messages import Accepted, Rejected, ReplicaInfo, Submission
 from llmserve.server.metrics import ServerMetrics
 
@@ -35,7 +34,7 @@ class EngineReplica:
         self.replica_id = context.replica_id.unique_id
         self.app_name = context.app_name
         self.metrics = ServerMetrics(config.served_model_name or engine_config.model.model)
-        self.engine = AsyncLLM(engine_config, load_tokenizer(engine_config.model.model),
+        self.engine = AsyncLLM(engine_config,
                                max_queued_requests=config.max_queued_requests,
                                max_queued_tokens=config.max_queued_tokens,
                                request_timeout=config.request_timeout, stats=self.metrics,

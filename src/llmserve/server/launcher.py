@@ -21,7 +21,6 @@ from llmserve.config import EngineConfig, ServerConfig
 from llmserve.engine.async_llm import AsyncLLM
 from llmserve.gc_freeze import freeze_startup_objects
 from llmserve.logger import get_logger
-from llmserve.models.loader import load_tokenizer
 from llmserve.server.accounts import Accounts
 from llmserve.server.app import ServerState, build_app
 from llmserve.server.http_guard import MAX_HEADER_BYTES, GuardedH11Protocol
@@ -90,7 +89,7 @@ def create_app(engine_config: EngineConfig,
     process. Also the in-process mode: serve the app with any ASGI server or test client."""
     model_name = config.served_model_name or engine_config.model.model
     metrics = ServerMetrics(model_name)
-    engine = AsyncLLM(engine_config, load_tokenizer(engine_config.model.model),
+    engine = AsyncLLM(engine_config,
                       max_queued_requests=config.max_queued_requests,
                       max_queued_tokens=config.max_queued_tokens,
                       request_timeout=config.request_timeout, stats=metrics,
