@@ -120,8 +120,16 @@ def test_int8_packed_layer_keeps_embedding_and_fallback():
     layer.finalize()
     assert hasattr(layer, "qweight_vnni") and not hasattr(layer, "qweight_t")
     ids = torch.tensor([0, 15, 16, 63, 64, 199, 5])
-    assert torch.equal(layer.quant_method.embedding(layer, ids),
-                       q[ids].float() * w_scale[ids].unsqueeze(1))
+    expected = q[ids].float() * w_scale[ids].unsqueeze(1)
+    assert torch.equal(layer.quant_method.embedding(layer, ids), expected)  # compiled gather
+    method = layer.quant_method
+    method._ops, ops_ = None, method._ops
+    try:
+        assert torch.equal(method.embedding(layer, ids), expected)  # indexing the packed view
+    finally:
+        method._ops = ops_
+    with pytest.raises(RuntimeError, match="token id 200 outside the embedding's 200 rows"):
+        ops.int8_embedding(layer.qweight_vnni, layer.w_scale, torch.tensor([3, 200]), 200)
     assert torch.equal(layer.quant_method._weight_t(layer), q.t())
     x = _activations(5, 64, gen)
     assert torch.equal(layer(x), int8_matmul(x, q.t().contiguous(), w_scale))

@@ -18,6 +18,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear", &int8_linear,
         "x W^T for int8 W packed for VNNI, activations as two int8 levels per row, or one "
         "level with a scale per group of inputs");
+  m.def("int8_embedding", &int8_embedding,
+        "rows of an int8 weight packed for int8_linear, times their scales (an embedding)");
   m.def("int4_linear", &int4_linear,
         "x W^T for int4 W (group scales and zeros) packed for VNNI, two-level int8 x");
   m.def("dense_linear", &dense_linear,

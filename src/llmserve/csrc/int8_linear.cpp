@@ -39,6 +39,35 @@ namespace llmserve {
 
 std::string int_kernels() { return int_kernels_isa(); }
 
+at::Tensor int8_embedding(const at::Tensor& packed, const at::Tensor& w_scale,
+                          const at::Tensor& ids, int64_t rows) {
+  // Row n of W sits in panel n / 64 at [quad][n % 64 / 16][n % 16][4]: one 4-byte word per
+  // quad of inputs, 256 bytes apart. float(w) * w_scale[n], the product PyTorch's path takes.
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kChar && packed.size(2) == 256 &&
+                  packed.is_contiguous(),
+              "packed must be int8 [out_padded / 64, in / 4, 256]");
+  TORCH_CHECK(w_scale.scalar_type() == at::kFloat && w_scale.is_contiguous() &&
+                  w_scale.numel() == packed.size(0) * 64 && rows <= w_scale.numel(),
+              "w_scale must be float32 [out_padded]");
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong, "ids must be int64 [T]");
+  const int64_t tokens = ids.size(0), quads = packed.size(1), k = quads * 4;
+  auto out = at::empty({tokens, k}, w_scale.options());
+  const int64_t* idp = ids.data_ptr<int64_t>();
+  const int8_t* wp = packed.data_ptr<int8_t>();
+  const float* sp = w_scale.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  for (int64_t t = 0; t < tokens; ++t) {
+    const int64_t n = idp[t];
+    TORCH_CHECK(n >= 0 && n < rows, "token id ", n, " outside the embedding's ", rows, " rows");
+    const int8_t* src = wp + (n / 64) * quads * 256 + (n % 64 / 16) * 64 + (n % 16) * 4;
+    const float s = sp[n];
+    float* dst = op + t * k;
+    for (int64_t q = 0; q < quads; ++q)
+      for (int j = 0; j < 4; ++j) dst[4 * q + j] = static_cast<float>(src[q * 256 + j]) * s;
+  }
+  return out;
+}
+
 #if LLMSERVE_HAS_VNNI || LLMSERVE_HAS_INT_AVX2
 
 namespace {

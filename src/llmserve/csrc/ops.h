@@ -42,6 +42,9 @@ std::string int_kernels();  // "avx512_vnni", "avx2", or "" (none built)
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& excess,
                        const at::Tensor& w_scale, int64_t out_features, int64_t levels,
                        int64_t group);
+// Rows `ids` of an int8 weight packed for int8_linear, as float32 [T, in] (an embedding).
+at::Tensor int8_embedding(const at::Tensor& packed, const at::Tensor& w_scale,
+                          const at::Tensor& ids, int64_t rows);
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed,
                        const at::Tensor& scale_zero, int64_t group, int64_t out_features);
 void rotary_embedding_(at::Tensor& q, at::Tensor& k, const at::Tensor& positions,

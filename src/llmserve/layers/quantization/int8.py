@@ -176,6 +176,9 @@ class Int8Method(LinearMethod):
     def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         # Row-major [T, K]: a transposed result would make later reductions over K depend
         # on T, and so on the batch.
+        if self._ops is not None and ids.device.type == "cpu":
+            return self._ops.int8_embedding(layer.qweight_vnni, layer.w_scale, ids,
+                                            layer.out_features)
         if hasattr(layer, "qweight_vnni"):
             w = _unpacked_view(layer.qweight_vnni)
             rows = w[ids // PANEL, ids % PANEL // LANES, ids % LANES].reshape(
