@@ -7,7 +7,10 @@
 // is the Python between them: module calls, argument conversion and views, about 10 calls
 // into the extension per layer. A layer's weights and shapes are bound once, in a
 // DecoderLayerPlan built after loading (models/fused.py); a step passes only its activations,
-// its KV cache and its batch layout.
+// its KV cache and its batch layout. The stack allocates each intermediate tensor once a
+// step, not once a layer (the kernels' `_out` variants write into them), and takes the
+// q, k and v views of the fused projection once: at one token a step, a layer's arithmetic
+// is a few microseconds and the allocations and views cost as much again.
 
 #include <ATen/ATen.h>
 
@@ -18,17 +21,15 @@
 
 namespace llmserve {
 
-at::Tensor LinearPlan::operator()(const at::Tensor& x) const {
-  at::Tensor y;
+void LinearPlan::operator()(const at::Tensor& x, at::Tensor& y) const {
   switch (kind) {
-    case Kind::kDense: y = dense_linear(x, packed, out_features); break;
+    case Kind::kDense: dense_linear_out(x, packed, out_features, y); break;
     case Kind::kInt8:
-      y = int8_linear(x, packed, aux, w_scale, out_features, levels, group);
+      int8_linear_out(x, packed, aux, w_scale, out_features, levels, group, y);
       break;
-    case Kind::kInt4: y = int4_linear(x, packed, aux, group, out_features); break;
+    case Kind::kInt4: int4_linear_out(x, packed, aux, group, out_features, y); break;
   }
   if (bias.has_value()) y.add_(*bias);
-  return y;
 }
 
 std::shared_ptr<LinearPlan> make_linear_plan(const std::string& kind, at::Tensor packed,
@@ -58,60 +59,83 @@ std::shared_ptr<LinearPlan> make_linear_plan(const std::string& kind, at::Tensor
   return plan;
 }
 
-std::pair<at::Tensor, at::Tensor> decoder_layer(
-    const DecoderLayerPlan& p, at::Tensor hidden, c10::optional<at::Tensor> residual,
-    const at::Tensor& positions, at::Tensor& key_cache, at::Tensor& value_cache,
-    const c10::optional<at::Tensor>& key_scale, const c10::optional<at::Tensor>& value_scale,
-    double max_code, const at::Tensor& slots, const at::Tensor& block_tables,
-    const at::Tensor& query_start) {
-  // The first layer takes the embeddings as its residual stream, the others add the
-  // previous layer's output to it.
-  at::Tensor res, x;
-  if (residual.has_value()) {
-    res = *residual;
-    x = add_rms_norm_(res, hidden, p.input_norm, p.eps);
-  } else {
-    res = hidden;
-    x = rms_norm(hidden, p.input_norm, p.eps);
-  }
+namespace {
 
-  const int64_t d = p.head_dim, q_size = p.num_heads * d, kv_size = p.num_kv_heads * d;
-  const at::Tensor qkv = p.qkv(x);
-  at::Tensor q = qkv.narrow(1, 0, q_size), k = qkv.narrow(1, q_size, kv_size);
-  at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({-1, p.num_kv_heads, d});
+// A layer's intermediate tensors for a step of T tokens, allocated once for the whole stack
+// (every layer of a Llama-shaped model has the same shapes; a layer that differs gets its
+// own), with q, k and v as views of the fused projection's output.
+struct Workspace {
+  int64_t tokens = -1, hidden = 0, q_size = 0, kv_size = 0, inter = 0, heads = 0, kv_heads = 0;
+  at::Tensor x, qkv, q, k, v, attn, h, gate_up, act;
+
+  void fit(const DecoderLayerPlan& p, int64_t t, const at::TensorOptions& options) {
+    const int64_t d = p.head_dim, hid = p.o.out_features, qs = p.num_heads * d,
+                  kvs = p.num_kv_heads * d, in = p.gate_up.out_features / 2;
+    if (t == tokens && hid == hidden && qs == q_size && kvs == kv_size && in == inter &&
+        p.num_heads == heads && p.num_kv_heads == kv_heads)
+      return;
+    tokens = t, hidden = hid, q_size = qs, kv_size = kvs, inter = in;
+    heads = p.num_heads, kv_heads = p.num_kv_heads;
+    x = at::empty({t, hid}, options);
+    qkv = at::empty({t, qs + 2 * kvs}, options);
+    q = qkv.narrow(1, 0, qs).view({t, heads, d});
+    k = qkv.narrow(1, qs, kvs).view({t, kv_heads, d});
+    v = qkv.narrow(1, qs + kvs, kvs).view({t, kv_heads, d});
+    attn = at::empty({t, qs}, options);
+    h = at::empty({t, hid}, options);
+    gate_up = at::empty({t, 2 * in}, options);
+    act = at::empty({t, in}, options);
+  }
+};
+
+// One layer on `res` (the residual stream, updated in place) and `hidden` (the previous
+// layer's output, none before the first layer); writes this layer's output into `out`.
+void decoder_layer(const DecoderLayerPlan& p, Workspace& w, at::Tensor& res,
+                   const at::Tensor* hidden, at::Tensor& out, const at::Tensor& positions,
+                   KVCacheRef& cache, const at::Tensor& slots, const at::Tensor& block_tables,
+                   const at::Tensor& query_start) {
+  if (hidden != nullptr)
+    add_rms_norm_out(res, *hidden, p.input_norm, p.eps, w.x);
+  else
+    rms_norm_out(res, p.input_norm, p.eps, w.x);
+  p.qkv(w.x, w.qkv);
+  at::Tensor q = w.q, k = w.k;
   if (p.q_norm.has_value() && p.k_norm.has_value()) {  // per head: [T * H, D] rows
+    const int64_t d = p.head_dim;
     q = rms_norm(q.reshape({-1, d}), *p.q_norm, p.eps).view({-1, p.num_heads, d});
     k = rms_norm(k.reshape({-1, d}), *p.k_norm, p.eps).view({-1, p.num_kv_heads, d});
-  } else {
-    q = q.view({-1, p.num_heads, d});
-    k = k.view({-1, p.num_kv_heads, d});
   }
   rotary_embedding_(q, k, positions, p.cos, p.sin);
-  store_kv(k, key_cache, key_scale, slots, max_code, true);
-  store_kv(v, value_cache, value_scale, slots, max_code, false);
-  const at::Tensor attn = paged_attention(q, key_cache, value_cache, key_scale, value_scale,
-                                          block_tables, query_start, positions, p.attn_scale,
-                                          p.window);
-  const at::Tensor h = p.o(attn);
-  x = add_rms_norm_(res, h, p.post_norm, p.eps);
-  return {p.down(silu_and_mul(p.gate_up(x))), res};
+  store_kv(k, cache.key, cache.key_scale, slots, cache.max_code, true);
+  store_kv(w.v, cache.value, cache.value_scale, slots, cache.max_code, false);
+  paged_attention_out(q, cache.key, cache.value, cache.key_scale, cache.value_scale,
+                      block_tables, query_start, positions, p.attn_scale, p.window, w.attn);
+  p.o(w.attn, w.h);
+  add_rms_norm_out(res, w.h, p.post_norm, p.eps, w.x);
+  p.gate_up(w.x, w.gate_up);
+  silu_and_mul_out(w.gate_up, w.act);
+  p.down(w.act, out);
 }
+
+}  // namespace
 
 std::pair<at::Tensor, at::Tensor> DecoderStack::run(at::Tensor hidden, const at::Tensor& positions,
                                                     const at::Tensor& slots,
                                                     const at::Tensor& block_tables,
                                                     const at::Tensor& query_start) {
-  c10::optional<at::Tensor> residual;
+  TORCH_CHECK(!layers.empty(), "a decoder stack of no layers");
+  TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == at::kFloat && hidden.is_contiguous(),
+              "hidden must be a contiguous float32 [tokens, hidden] tensor");
+  // The embeddings become the residual stream; each layer's output goes to `out`, which the
+  // next layer adds to the stream before its own projections overwrite it.
+  at::Tensor res = std::move(hidden), out = at::empty_like(res);
+  Workspace w;
   for (size_t i = 0; i < layers.size(); ++i) {
-    KVCacheRef& c = caches[i];
-    auto [out, res] = decoder_layer(*layers[i], std::move(hidden), residual, positions, c.key,
-                                    c.value, c.key_scale, c.value_scale, c.max_code, slots,
-                                    block_tables, query_start);
-    hidden = std::move(out);
-    residual = std::move(res);
+    w.fit(*layers[i], res.size(0), res.options());
+    decoder_layer(*layers[i], w, res, i == 0 ? nullptr : &out, out, positions, caches[i],
+                  slots, block_tables, query_start);
   }
-  TORCH_CHECK(residual.has_value(), "a decoder stack of no layers");
-  return {hidden, *residual};
+  return {out, res};
 }
 
 }  // namespace llmserve

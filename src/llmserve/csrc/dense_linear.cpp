@@ -212,7 +212,7 @@ void run(const float* x, int64_t ldx, int64_t m, int64_t k, const W* w, int64_t 
 
 int64_t dense_panel_width() { return kPanel; }
 
-at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
+void dense_linear_out(const at::Tensor& x, const at::Tensor& packed, int64_t n, at::Tensor& y) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
               "x must be a float32 [rows, in] tensor with contiguous rows");
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && packed.is_contiguous() &&
@@ -225,15 +225,23 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n
               packed.size(1));
   TORCH_CHECK(n > (panels - 1) * kPanel && n <= panels * kPanel, "packed holds ",
               panels * kPanel, " output channels, not ", n, " padded to a multiple of 16");
-  auto y = at::empty({m, n}, x.options());
-  if (m == 0) return y;
-  if (k == 0) return y.zero_();
+  check_out(y, m, n, "y");
+  if (m == 0) return;
+  if (k == 0) {
+    y.zero_();
+    return;
+  }
   const float* xp = x.data_ptr<float>();
   if (packed.scalar_type() == at::kFloat)
     run(xp, x.stride(0), m, k, packed.data_ptr<float>(), panels, y.data_ptr<float>(), n);
   else
     run(xp, x.stride(0), m, k, packed.data_ptr<c10::BFloat16>(), panels, y.data_ptr<float>(),
         n);
+}
+
+at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
+  auto y = at::empty({x.dim() == 2 ? x.size(0) : 0, n}, x.options());
+  dense_linear_out(x, packed, n, y);
   return y;
 }
 

@@ -34,6 +34,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include "ops.h"
@@ -114,8 +115,8 @@ inline void quantize_group(const float* x, int8_t* codes, float& scale, float& s
 
 // Checks the arguments, quantizes each row of x (one int8 level per group of kActGroup
 // inputs) and runs `tiles` over (panel, tile of up to kMaxTileRows rows) items, panel-major.
-at::Tensor run_int4(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale_zero,
-                    int64_t group, int64_t n, const Tiles& kernels) {
+void run_int4(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale_zero,
+              int64_t group, int64_t n, const Tiles& kernels, at::Tensor& y) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
               "x must be a float32 [rows, in] tensor with contiguous rows");
   const int64_t m = x.size(0), k = x.size(1);
@@ -133,18 +134,22 @@ at::Tensor run_int4(const at::Tensor& x, const at::Tensor& packed, const at::Ten
   TORCH_CHECK(scale_zero.scalar_type() == at::kHalf && scale_zero.is_contiguous() &&
               scale_zero.numel() == panels * groups * 2 * kPanel * kBlock,
               "scale_zero must be float16 [out_padded / 64, groups, 2, 64]");
-  auto y = at::empty({m, n}, x.options());
-  if (m == 0) return y;
+  check_out(y, m, n, "y");
+  if (m == 0) return;
 
+  // Scratch without zero-filling (a std::vector would memset it on every call).
   const int64_t act_groups = k / kActGroup;
-  std::vector<int8_t> codes(m * k);
-  std::vector<float> scales(m * act_groups), scaled_sums(m * act_groups);
+  std::unique_ptr<int8_t[]> codes_buf(new int8_t[m * k]);
+  std::unique_ptr<float[]> scales_buf(new float[2 * m * act_groups]);
+  int8_t* codes = codes_buf.get();
+  float* scales = scales_buf.get();
+  float* scaled_sums = scales + m * act_groups;
   const float* xp = x.data_ptr<float>();
   at::parallel_for(0, m, 8, [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r)
       for (int64_t a = 0; a < act_groups; ++a) {
         const int64_t i = r * act_groups + a;
-        quantize_group(xp + r * x.stride(0) + a * kActGroup, codes.data() + r * k + a * kActGroup,
+        quantize_group(xp + r * x.stride(0) + a * kActGroup, codes + r * k + a * kActGroup,
                        scales[i], scaled_sums[i]);
       }
   });
@@ -171,13 +176,12 @@ at::Tensor run_int4(const at::Tensor& x, const at::Tensor& packed, const at::Ten
       const Prefetch prefetch{
           item == b || (t == 0 && !spread), wp + (p + 1) * panel_bytes + first_line * 64,
           spread && (p + 1) * tiles < e ? std::min(share_lines, panel_lines - first_line) : 0};
-      const Activations act{codes.data() + t0 * k, scales.data() + t0 * act_groups,
-                            scaled_sums.data() + t0 * act_groups, k, act_groups};
+      const Activations act{codes + t0 * k, scales + t0 * act_groups,
+                            scaled_sums + t0 * act_groups, k, act_groups};
       by_rows[rows](act, group, wp + p * panel_bytes, szp + p * groups * 2 * kPanel * kBlock,
                     yp + t0 * n + n0, n, std::min<int64_t>(kPanel * kBlock, n - n0), prefetch);
     }
   });
-  return y;
 }
 
 }  // namespace
@@ -335,9 +339,9 @@ constexpr Tiles kTiles = {{nullptr, tile<1>, tile<2>, tile<3>, tile<4>},
 
 }  // namespace
 
-at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed,
-                       const at::Tensor& scale_zero, int64_t group, int64_t n) {
-  return run_int4(x, packed, scale_zero, group, n, kTiles);
+void int4_linear_out(const at::Tensor& x, const at::Tensor& packed,
+                     const at::Tensor& scale_zero, int64_t group, int64_t n, at::Tensor& y) {
+  run_int4(x, packed, scale_zero, group, n, kTiles, y);
 }
 
 #elif LLMSERVE_HAS_INT_AVX2
@@ -419,18 +423,25 @@ constexpr Tiles kTiles = {{nullptr, tile<1>, tile<2>, tile<3>, tile<4>},
 
 }  // namespace
 
-at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed,
-                       const at::Tensor& scale_zero, int64_t group, int64_t n) {
-  return run_int4(x, packed, scale_zero, group, n, kTiles);
+void int4_linear_out(const at::Tensor& x, const at::Tensor& packed,
+                     const at::Tensor& scale_zero, int64_t group, int64_t n, at::Tensor& y) {
+  run_int4(x, packed, scale_zero, group, n, kTiles, y);
 }
 
 #else  // neither VNNI nor AVX2: int_kernels is "" and int4 layers use PyTorch's kernel
 
-at::Tensor int4_linear(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
-                       int64_t) {
+void int4_linear_out(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
+                     int64_t, at::Tensor&) {
   TORCH_CHECK(false, "int4_linear needs AVX-512 VNNI or AVX2");
 }
 
 #endif
+
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed,
+                       const at::Tensor& scale_zero, int64_t group, int64_t n) {
+  auto y = at::empty({x.dim() == 2 ? x.size(0) : 0, n}, x.options());
+  int4_linear_out(x, packed, scale_zero, group, n, y);
+  return y;
+}
 
 }  // namespace llmserve

@@ -249,14 +249,15 @@ constexpr TileFn kTiles[2][kTileCodeRows + 1] = {
 
 }  // namespace
 
-at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& excess,
-                       const at::Tensor& w_scale, int64_t n, int64_t levels, int64_t group) {
+void int8_linear_out(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& excess,
+                     const at::Tensor& w_scale, int64_t n, int64_t levels, int64_t group,
+                     at::Tensor& y) {
   const int64_t groups = check_int8_args(x, packed, excess, w_scale, n, levels, group);
   const int64_t m = x.size(0), k = x.size(1);
   const int64_t panels = packed.size(0), quads = packed.size(1);
   const int64_t padded = panels * kPanel * kBlock;
-  auto y = at::empty({m, n}, x.options());
-  if (m == 0) return y;
+  check_out(y, m, n, "y");
+  if (m == 0) return;
 
   // Scratch without zero-filling (a std::vector would memset it on every call).
   std::unique_ptr<uint8_t[]> q_buf(new uint8_t[levels * m * k]);
@@ -293,7 +294,6 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
           wp + (p + 1) * panel_bytes + first_line * 64, ahead_lines);
     }
   });
-  return y;
 }
 
 #elif LLMSERVE_HAS_INT_AVX2
@@ -412,12 +412,13 @@ constexpr TileFn kTiles[2][kTileCodeRows + 1] = {
 
 }  // namespace
 
-at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& excess,
-                       const at::Tensor& w_scale, int64_t n, int64_t levels, int64_t group) {
+void int8_linear_out(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& excess,
+                     const at::Tensor& w_scale, int64_t n, int64_t levels, int64_t group,
+                     at::Tensor& y) {
   const int64_t groups = check_int8_args(x, packed, excess, w_scale, n, levels, group);
   const int64_t m = x.size(0), k = x.size(1), panels = packed.size(0);
-  auto y = at::empty({m, n}, x.options());
-  if (m == 0) return y;
+  check_out(y, m, n, "y");
+  if (m == 0) return;
 
   std::unique_ptr<int8_t[]> q_buf(new int8_t[levels * m * k]);
   std::unique_ptr<float[]> scales_buf(new float[m * groups]);
@@ -439,16 +440,22 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
                                                      p * kPanel * kBlock);
     }
   });
-  return y;
 }
 
 #else  // neither VNNI nor AVX2: int_kernels is "" and callers use torch._int_mm
 
-at::Tensor int8_linear(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                       const at::Tensor&, int64_t, int64_t, int64_t) {
+void int8_linear_out(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                     const at::Tensor&, int64_t, int64_t, int64_t, at::Tensor&) {
   TORCH_CHECK(false, "int8_linear needs AVX-512 VNNI or AVX2");
 }
 
 #endif
+
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& excess,
+                       const at::Tensor& w_scale, int64_t n, int64_t levels, int64_t group) {
+  auto y = at::empty({x.dim() == 2 ? x.size(0) : 0, n}, x.options());
+  int8_linear_out(x, packed, excess, w_scale, n, levels, group, y);
+  return y;
+}
 
 }  // namespace llmserve

@@ -3,6 +3,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/util/SmallVector.h>
 
 #include <cmath>
 
@@ -25,10 +26,10 @@ inline void norm_row(const float* x, const float* w, float* out, int64_t n, floa
 
 }  // namespace
 
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+void rms_norm_out(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor& out) {
   check_rows(x, "x");
   const int64_t rows = x.size(0), n = x.size(1);
-  auto out = at::empty({rows, n}, x.options());
+  check_out(out, rows, n, "out");
   const float* xp = x.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
   float* op = out.data_ptr<float>();
@@ -37,17 +38,23 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
     for (int64_t r = b; r < e; ++r)
       norm_row(xp + r * stride, wp, op + r * n, n, static_cast<float>(eps));
   });
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rows(x, "x");
+  auto out = at::empty({x.size(0), x.size(1)}, x.options());
+  rms_norm_out(x, weight, eps, out);
   return out;
 }
 
-at::Tensor add_rms_norm_(at::Tensor& residual, const at::Tensor& delta, const at::Tensor& weight,
-                         double eps) {
+void add_rms_norm_out(at::Tensor& residual, const at::Tensor& delta, const at::Tensor& weight,
+                      double eps, at::Tensor& out) {
   check_rows(residual, "residual");
   check_rows(delta, "delta");
   TORCH_CHECK(residual.is_contiguous() && residual.sizes() == delta.sizes(),
               "residual must be contiguous and the shape of delta");
   const int64_t rows = residual.size(0), n = residual.size(1);
-  auto out = at::empty({rows, n}, residual.options());
+  check_out(out, rows, n, "out");
   float* rp = residual.data_ptr<float>();
   const float* dp = delta.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
@@ -61,13 +68,20 @@ at::Tensor add_rms_norm_(at::Tensor& residual, const at::Tensor& delta, const at
       norm_row(x, wp, op + r * n, n, static_cast<float>(eps));
     }
   });
+}
+
+at::Tensor add_rms_norm_(at::Tensor& residual, const at::Tensor& delta, const at::Tensor& weight,
+                         double eps) {
+  check_rows(residual, "residual");
+  auto out = at::empty({residual.size(0), residual.size(1)}, residual.options());
+  add_rms_norm_out(residual, delta, weight, eps, out);
   return out;
 }
 
-at::Tensor silu_and_mul(const at::Tensor& gate_up) {
+void silu_and_mul_out(const at::Tensor& gate_up, at::Tensor& out) {
   check_rows(gate_up, "gate_up");
   const int64_t rows = gate_up.size(0), n = gate_up.size(1) / 2;
-  auto out = at::empty({rows, n}, gate_up.options());
+  check_out(out, rows, n, "out");
   const float* gp = gate_up.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t stride = gate_up.stride(0);
@@ -89,6 +103,12 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
       }
     }
   });
+}
+
+at::Tensor silu_and_mul(const at::Tensor& gate_up) {
+  check_rows(gate_up, "gate_up");
+  auto out = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
+  silu_and_mul_out(gate_up, out);
   return out;
 }
 
@@ -109,7 +129,7 @@ void rotary_embedding_(at::Tensor& q, at::Tensor& k, const at::Tensor& positions
   float* kp = k.data_ptr<float>();
   const int64_t qh = q.size(1), kh = k.size(1), qs = q.stride(0), ks = k.stride(0);
   at::parallel_for(0, tokens, 16, [&](int64_t b, int64_t e) {
-    std::vector<float> tmp(dim);
+    c10::SmallVector<float, 256> tmp(dim);  // on the stack up to head_dim 256
     for (int64_t t = b; t < e; ++t) {
       TORCH_CHECK(pos[t] >= 0 && pos[t] < max_pos, "position out of the rotary table");
       const float* c = cp + pos[t] * dim;  // [2, D/2]: cos for both halves

@@ -23,30 +23,58 @@ void dispatch_kv_dtype(at::ScalarType dtype, F&& f) {
   }
 }
 
+// A kernel's output given by the caller (the `_out` variants below, which the decoder stack
+// calls on buffers it allocates once a step): float32, contiguous, [rows, cols].
+inline void check_out(const at::Tensor& out, int64_t rows, int64_t cols, const char* name) {
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.is_contiguous() &&
+                  out.size(0) == rows && out.size(1) == cols,
+              name, " must be a contiguous float32 [", rows, ", ", cols, "] tensor");
+}
+
+// Each op returning a new tensor has an `_out` variant writing into the last argument.
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& key_cache,
                            const at::Tensor& value_cache,
                            const c10::optional<at::Tensor>& key_scale,
                            const c10::optional<at::Tensor>& value_scale,
                            const at::Tensor& block_tables, const at::Tensor& query_start,
                            const at::Tensor& positions, double scale, int64_t window);
+void paged_attention_out(const at::Tensor& q, const at::Tensor& key_cache,
+                         const at::Tensor& value_cache,
+                         const c10::optional<at::Tensor>& key_scale,
+                         const c10::optional<at::Tensor>& value_scale,
+                         const at::Tensor& block_tables, const at::Tensor& query_start,
+                         const at::Tensor& positions, double scale, int64_t window,
+                         at::Tensor& out);
 void store_kv(const at::Tensor& x, at::Tensor& cache, const c10::optional<at::Tensor>& scales,
               const at::Tensor& slots, double max_code, bool transposed);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+void rms_norm_out(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor& out);
 at::Tensor add_rms_norm_(at::Tensor& residual, const at::Tensor& delta, const at::Tensor& weight,
                          double eps);
+void add_rms_norm_out(at::Tensor& residual, const at::Tensor& delta, const at::Tensor& weight,
+                      double eps, at::Tensor& out);
 at::Tensor silu_and_mul(const at::Tensor& gate_up);
+void silu_and_mul_out(const at::Tensor& gate_up, at::Tensor& out);
 at::Tensor argmax_rows(const at::Tensor& x);
 at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features);
+void dense_linear_out(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                      at::Tensor& y);
 int64_t dense_panel_width();
 std::string int_kernels();  // "avx512_vnni", "avx2", or "" (none built)
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& excess,
                        const at::Tensor& w_scale, int64_t out_features, int64_t levels,
                        int64_t group);
+void int8_linear_out(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& excess,
+                     const at::Tensor& w_scale, int64_t out_features, int64_t levels,
+                     int64_t group, at::Tensor& y);
 // Rows `ids` of an int8 weight packed for int8_linear, as float32 [T, in] (an embedding).
 at::Tensor int8_embedding(const at::Tensor& packed, const at::Tensor& w_scale,
                           const at::Tensor& ids, int64_t rows);
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed,
                        const at::Tensor& scale_zero, int64_t group, int64_t out_features);
+void int4_linear_out(const at::Tensor& x, const at::Tensor& packed,
+                     const at::Tensor& scale_zero, int64_t group, int64_t out_features,
+                     at::Tensor& y);
 void rotary_embedding_(at::Tensor& q, at::Tensor& k, const at::Tensor& positions,
                        const at::Tensor& cos, const at::Tensor& sin);
 
@@ -57,7 +85,7 @@ struct LinearPlan {
   at::Tensor packed, aux, w_scale;  // aux: int8's excess, int4's scale_zero
   int64_t out_features = 0, levels = 0, group = 0;
   c10::optional<at::Tensor> bias;
-  at::Tensor operator()(const at::Tensor& x) const;
+  void operator()(const at::Tensor& x, at::Tensor& y) const;  // y: [rows, out_features]
 };
 
 std::shared_ptr<LinearPlan> make_linear_plan(const std::string& kind, at::Tensor packed,
@@ -77,15 +105,6 @@ struct DecoderLayerPlan {
   double attn_scale = 1.0;
   int64_t window = 0;  // 0: every key of the context
 };
-
-// The layer on `hidden` [T, hidden]: returns (its output, the residual stream). `residual`
-// is updated in place; none for the first layer (the embeddings become the stream).
-std::pair<at::Tensor, at::Tensor> decoder_layer(
-    const DecoderLayerPlan& plan, at::Tensor hidden, c10::optional<at::Tensor> residual,
-    const at::Tensor& positions, at::Tensor& key_cache, at::Tensor& value_cache,
-    const c10::optional<at::Tensor>& key_scale, const c10::optional<at::Tensor>& value_scale,
-    double max_code, const at::Tensor& slots, const at::Tensor& block_tables,
-    const at::Tensor& query_start);
 
 // A model's decoder layers with their KV caches bound: a step's whole stack in one call.
 struct KVCacheRef {

@@ -14,6 +14,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/util/SmallVector.h>
 
 #include <algorithm>
 #include <atomic>
@@ -452,7 +453,7 @@ struct Scratch {
 // over the threads.
 template <typename F>
 void for_each_item(const Problem& p, int64_t num_seqs, F&& body) {
-  std::vector<int64_t> item_seq, item_row;
+  c10::SmallVector<int64_t, 64> item_seq, item_row;  // on the stack for small steps
   for (int64_t b = 0; b < num_seqs; ++b)
     for (int64_t t = p.qstart[b]; t < p.qstart[b + 1]; t += kTile) {
       item_seq.push_back(b);
@@ -466,9 +467,9 @@ void for_each_item(const Problem& p, int64_t num_seqs, F&& body) {
   // once (neighbouring slices of the same blocks); with few, one item at a time, so that a
   // single sequence's heads still spread over the threads. Which thread computes an item
   // does not change its arithmetic.
-  std::vector<int64_t> order(static_cast<size_t>(num_items));
+  c10::SmallVector<int64_t, 64> order(static_cast<size_t>(num_items));
   {
-    std::vector<int64_t> cost(item_seq.size());
+    c10::SmallVector<int64_t, 64> cost(item_seq.size());
     for (size_t t = 0; t < item_seq.size(); ++t) {
       const int64_t last =
           std::min<int64_t>(item_row[t] + kTile, p.qstart[item_seq[t] + 1]) - 1;
@@ -486,7 +487,9 @@ void for_each_item(const Problem& p, int64_t num_seqs, F&& body) {
 
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     const FlushDenormals ftz;
-    Scratch scratch;
+    // Kept by each thread from call to call: grown to the largest item seen, not allocated
+    // and freed by every layer of every step.
+    static thread_local Scratch scratch;
     Item it;
     // Each take is `grab` consecutive entries of `order`, computed one item after another.
     for (int64_t k0; (k0 = next_item.fetch_add(grab, std::memory_order_relaxed)) < num_items;)
@@ -760,12 +763,13 @@ void attend_int8_pairs(const Problem& p, int64_t num_seqs, const int8_t* k_ptr,
 // query_start[b]..query_start[b+1]); positions: [T] int64 (row t sees keys 0..positions[t]
 // of its sequence, or with window > 0 only the last `window` of them: keys
 // positions[t] - window + 1..positions[t]). Returns [T, Hq * D] float32.
-at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& key_cache,
-                           const at::Tensor& value_cache,
-                           const c10::optional<at::Tensor>& key_scale,
-                           const c10::optional<at::Tensor>& value_scale,
-                           const at::Tensor& block_tables, const at::Tensor& query_start,
-                           const at::Tensor& positions, double scale, int64_t window) {
+void paged_attention_out(const at::Tensor& q, const at::Tensor& key_cache,
+                         const at::Tensor& value_cache,
+                         const c10::optional<at::Tensor>& key_scale,
+                         const c10::optional<at::Tensor>& value_scale,
+                         const at::Tensor& block_tables, const at::Tensor& query_start,
+                         const at::Tensor& positions, double scale, int64_t window,
+                         at::Tensor& out) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.stride(2) == 1 &&
                   q.stride(1) == q.size(2),
               "q must be a float32 [T, Hq, D] tensor with contiguous heads");
@@ -787,7 +791,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& key_cache,
                             value_scale),
               "pairs (P = 2) are an int8 layout, with scales");
   auto tables = block_tables.contiguous();
-  auto out = at::empty({q.size(0), q.size(1) * q.size(2)}, q.options());
+  check_out(out, q.size(0), q.size(1) * q.size(2), "out");
   const int64_t num_kv_heads = key_cache.size(1), head_dim = q.size(2);
   const Problem p{q.data_ptr<float>(),
                   q.stride(0),
@@ -816,6 +820,18 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& key_cache,
       attend_float<T>(p, num_seqs, key_cache.data_ptr<T>(), value_cache.data_ptr<T>());
     });
   }
+}
+
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& key_cache,
+                           const at::Tensor& value_cache,
+                           const c10::optional<at::Tensor>& key_scale,
+                           const c10::optional<at::Tensor>& value_scale,
+                           const at::Tensor& block_tables, const at::Tensor& query_start,
+                           const at::Tensor& positions, double scale, int64_t window) {
+  TORCH_CHECK(q.dim() == 3, "q must be a float32 [T, Hq, D] tensor with contiguous heads");
+  auto out = at::empty({q.size(0), q.size(1) * q.size(2)}, q.options());
+  paged_attention_out(q, key_cache, value_cache, key_scale, value_scale, block_tables,
+                      query_start, positions, scale, window, out);
   return out;
 }
 
