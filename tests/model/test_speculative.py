@@ -21,12 +21,15 @@ FREE_ROWS = StepCost([(1, 1.0), (1 << 20, 1.0)])
 
 
 def speculate_always(speculator) -> None:
-    """Rows and draft-model passes cost nothing, any expected gain is taken, and the guard
-    stands aside: every proposal found is verified, however rarely drafts are accepted."""
+    """Rows, draft-model passes and a draft model's catch-up on a history cost nothing, any
+    expected gain is taken, and the guard stands aside: every proposal found is verified,
+    however rarely drafts are accepted."""
     speculator.cost = FREE_ROWS
     speculator.guard = False
     speculator.MIN_GAIN = speculator.MODEL_GAIN = 1.0
     speculator.proposer.step_seconds = 0.0
+    if hasattr(speculator.proposer, "prefill_token_seconds"):
+        speculator.proposer.prefill_token_seconds = 0.0
 
 
 def _params(rng: random.Random, i: int) -> SamplingParams:

@@ -24,6 +24,8 @@ from llmserve.spec_decode.planner import (
     ArmStats,
     acceptance_estimate,
     batch_bucket,
+    catch_up_pays,
+    expected_remaining,
     guard_allows,
 )
 from llmserve.spec_decode.suffix import SharedHistory, SuffixProposer, suffix_propose
@@ -387,6 +389,96 @@ def test_a_draft_models_speculator_pools_acceptance_from_every_verification(chea
     spec.observe(mixed, ModelRunnerOutput({"a": [5, 6, 7], "c": [9]}), 0.5)
     # Mixed steps count here too; a lookup's requests keep their own prior (no pool).
     assert (spec.pool.drafted, spec.pool.accepted) == ((0, 0) if cheap else (4, 2))
+
+
+
+def test_expected_remaining_is_the_mean_excess_of_longer_requests():
+    rng = random.Random(3)
+    for _ in range(200):
+        lengths = [rng.randint(1, 300) for _ in range(rng.randint(0, 30))]
+        generated, max_tokens = rng.randint(0, 320), rng.randint(1, 400)
+        max_tokens = max(max_tokens, generated + 1)
+        longer = [min(n, max_tokens) - generated for n in lengths if n > generated]
+        if not lengths:
+            want = max_tokens - generated
+        else:
+            want = sum(longer) / len(longer) if longer else 0.0
+        assert expected_remaining(generated, max_tokens, lengths) == pytest.approx(want)
+    # Nothing finished yet: the request's whole allowance.
+    assert expected_remaining(10, 256, []) == 246
+    # Longer than every recent request: expected to end now.
+    assert expected_remaining(120, 256, [100, 110, 90]) == 0.0
+    # Early in a request, what the others added beyond this point; capped at max_tokens.
+    assert expected_remaining(0, 100, [50, 150]) == pytest.approx((50 + 100) / 2)
+
+
+def test_catch_up_pays_when_the_expected_saving_covers_it():
+    # 100 tokens left at 20 ms a token and 1.5x save 100 * 20 ms / 3 = 0.667 s.
+    assert catch_up_pays(0.6, 100, 0.020, 1.5)
+    assert not catch_up_pays(0.7, 100, 0.020, 1.5)
+    assert catch_up_pays(0.0, 0.0, 0.020, 1.5)  # nothing to write: always
+    assert not catch_up_pays(1e-3, 0.0, 0.020, 1.5)  # anything to write, nothing to gain
+
+
+class _CatchingUp(NgramProposer):
+    """A lookup that costs like a draft model: each request's history is written once."""
+
+    cheap = False
+
+    def __init__(self, token_seconds: float) -> None:
+        super().__init__(1, 4)
+        self.token_seconds = token_seconds
+        self.followed: set[str] = set()
+
+    def catch_up_seconds(self, request) -> float:
+        return 0.0 if request.request_id in self.followed else \
+            request.num_tokens * self.token_seconds
+
+    def propose(self, requests, counts):
+        self.followed.update(r.request_id for r, k in zip(requests, counts) if k)
+        return [[7] * k for k in counts]
+
+
+def _decoding(rid: str, prompt: int, generated: int, max_tokens: int = 256) -> Request:
+    r = Request(rid, [1] * prompt, SamplingParams(max_tokens=max_tokens),
+                max_tokens=max_tokens)
+    r.output_token_ids.extend([2] * generated)
+    r.num_computed_tokens = r.num_tokens - 1
+    r.status = RequestStatus.RUNNING
+    return r
+
+
+def test_a_draft_model_skips_requests_whose_catch_up_does_not_pay():
+    """Free verification rows (the plan wants drafts for everyone). A request the draft
+    has not followed, with 250 tokens to write at 0.6 ms each (0.15 s), starts only if the
+    tokens it is expected to add save that back at 1.5x of a 20 ms step (> 22.5 tokens)."""
+    cost = StepCost([(1, 0.020), (1 << 20, 0.020)])
+    proposer = _CatchingUp(0.0006)
+    spec = Speculator(SpeculativeConfig(method="ngram", num_speculative_tokens=4),
+                      proposer, cost, 256)
+    spec.guard = False
+    spec.pool = AcceptancePool(accepted=95, drafted=100)
+    # No request has finished yet: the allowance (256 - 50) counts: drafted.
+    fresh = _decoding("a", 200, 50)
+    assert spec.prepare([fresh], []) > 0 and "a" in proposer.followed
+    # Recent requests ended at 100-110 tokens: one at 95 expects ~10 more, too few to pay
+    # its catch-up; one at 20 expects ~85.
+    for n in (100, 105, 110):
+        done = _decoding(f"done{n}", 10, n)
+        done.status = RequestStatus.FINISHED_STOPPED
+        spec.finished(done)
+    late, early = _decoding("late", 155, 95), _decoding("early", 230, 20)
+    spec.prepare([late, early], [])
+    assert not late.draft_token_ids and early.draft_token_ids
+    # Once followed, nothing is left to write: the late one continues to the end.
+    proposer.followed.add("late")
+    spec.prepare([late], [])
+    assert late.draft_token_ids
+    # An aborted request says nothing about lengths.
+    gone = _decoding("gone", 10, 3)
+    gone.status = RequestStatus.FINISHED_ABORTED
+    spec.finished(gone)
+    assert list(spec.lengths) == [100, 105, 110]
 
 
 # ---- the configuration ------------------------------------------------------------------

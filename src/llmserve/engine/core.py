@@ -210,7 +210,7 @@ class EngineCore:
 
     def _forget(self, r: Request) -> None:
         if self.speculator is not None:
-            self.speculator.free(r.request_id)
+            self.speculator.finished(r)
         family = self._families.get(r.parent_id)
         if family is not None and all(cid not in self.scheduler.requests for cid in family):
             del self._families[r.parent_id]

@@ -9,7 +9,9 @@ tokens of steps that did not speculate) with the last known token, and proposes 
 last row; the others take one token each. A longer history not yet in the cache (the
 prompt, the first time) is written before, in passes of the engine's token budget: the
 request's prefill in the draft, paid once, which is why the Speculator engages a draft model
-only where speculation promises much (one user on an idle server). A proposal that the
+only where speculation promises much (one user on an idle server), and for a request it has
+not followed yet only if the tokens the request is expected to add pay that prefill back
+(``catch_up_seconds``, planner.catch_up_pays). A proposal that the
 target then accepts is already in the draft's cache: the next call starts after it.
 
 Proposals are greedy, so each is deterministic given the history, and the target's rule
@@ -22,6 +24,7 @@ as without speculation); its cache is kept for later.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -78,8 +81,10 @@ class DraftProposer:
         self._free = list(range(num_blocks - 1, -1, -1))
         self._seqs: dict[str, _DraftSequence] = {}
         self.step_seconds = self._time_step()
-        logger.info("draft model: %s, %d layers", self.loaded.describe(),
-                    arch.num_hidden_layers)
+        self.prefill_token_seconds = self._time_prefill()
+        logger.info("draft model: %s, %d layers; a proposal step %.2f ms, a history token "
+                    "written %.3f ms", self.loaded.describe(), arch.num_hidden_layers,
+                    self.step_seconds * 1e3, self.prefill_token_seconds * 1e3)
 
     # ---- Proposer ------------------------------------------------------------------------
 
@@ -126,6 +131,15 @@ class DraftProposer:
             seq.proposed = proposals[i]
         return proposals
 
+    def catch_up_seconds(self, request: Request) -> float:
+        """Seconds to write the part of the request's history that the draft's cache lacks
+        and the first proposal pass does not carry (see _catch_up): its prompt and output the
+        first time, next to nothing once the draft follows it."""
+        seq = self._seqs.get(request.request_id)
+        held = 0 if seq is None else seq.num_computed + _kept(seq, request.all_token_ids)
+        carry = self.num_speculative_tokens + 1
+        return max(request.num_tokens - 1 - carry - held, 0) * self.prefill_token_seconds
+
     def free(self, request_id: str) -> None:
         seq = self._seqs.pop(request_id, None)
         if seq is not None:
@@ -141,6 +155,19 @@ class DraftProposer:
         blocks = self._free[-1:]
         self.runner.time_verify_step(1, blocks, repeats=2)  # first-call costs
         return self.runner.time_verify_step(1, blocks)
+
+    def _time_prefill(self, num_tokens: int = 64) -> float:
+        """Seconds per token of writing a history into the draft's cache (best of a few
+        passes of ``num_tokens``)."""
+        num_tokens = max(min(num_tokens, len(self._free) * self.block_size), 1)
+        blocks = self._free[-(-num_tokens // self.block_size):]
+        item = ScheduledRequest("__timing__", [0] * num_tokens, 0, [blocks], False, _GREEDY)
+        best = float("inf")
+        for _ in range(3):
+            start = time.perf_counter()
+            self.runner.write_kv(SchedulerOutput([item], num_tokens))
+            best = min(best, time.perf_counter() - start)
+        return best / num_tokens
 
     def _reserve(self, seq: _DraftSequence, num_positions: int) -> bool:
         need = -(-num_positions // self.block_size) - len(seq.blocks)

@@ -80,6 +80,35 @@ def plan_drafts(acceptance: Sequence[float], max_drafts: Sequence[int], *,
     return counts
 
 
+# ---- a draft model's catch-up ---------------------------------------------------------------
+#
+# A request a draft model has not drafted for yet has its history (prompt and output so far)
+# written into the draft's cache first: a prefill in the draft, paid once, before the first
+# proposal. Late in a request, or in the tail of a busy server where a few requests remain,
+# the tokens left may not pay it back.
+
+
+def expected_remaining(generated: int, max_tokens: int, lengths: Sequence[int]) -> float:
+    """Tokens a request that has generated ``generated`` of at most ``max_tokens`` is
+    expected to add: the mean excess over ``generated`` of the recent finished requests that
+    ran longer (each capped at ``max_tokens``). With no finished request to go by, all of
+    ``max_tokens``; once longer than every recent request, 0 (expected to end soon)."""
+    if not lengths:
+        return float(max(max_tokens - generated, 0))
+    excess = [min(n, max_tokens) - generated for n in lengths if n > generated]
+    return sum(excess) / len(excess) if excess else 0.0
+
+
+def catch_up_pays(catch_up_seconds: float, remaining: float, token_seconds: float,
+                  gain: float) -> bool:
+    """Whether writing a request's history into the draft's cache is paid back: at ``gain``
+    over plain steps (``token_seconds`` a token for this request), each of the ``remaining``
+    tokens expected saves ``token_seconds * (1 - 1 / gain)``."""
+    if catch_up_seconds <= 0:
+        return True
+    return remaining * token_seconds * (1 - 1 / gain) >= catch_up_seconds
+
+
 # ---- acceptance rates ----------------------------------------------------------------------
 
 

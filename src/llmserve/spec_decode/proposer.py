@@ -5,6 +5,7 @@ request its draft tokens (``Request.draft_token_ids``) for the scheduler to plac
 from __future__ import annotations
 
 import time
+from collections import deque
 from typing import Protocol
 
 from llmserve.config import SpeculativeConfig
@@ -18,6 +19,8 @@ from llmserve.spec_decode.planner import (
     StepCost,
     acceptance_estimate,
     batch_bucket,
+    catch_up_pays,
+    expected_remaining,
     guard_allows,
     plan_drafts,
 )
@@ -35,6 +38,11 @@ class Proposer(Protocol):
     step_seconds: float
 
     def propose(self, requests: list[Request], counts: list[int]) -> list[list[int]]: ...
+
+    def catch_up_seconds(self, request: Request) -> float:
+        """What proposing for the request next costs beyond a proposal step: a draft model's
+        writing of the history its cache lacks (0 for lookups)."""
+        ...
 
     def free(self, request_id: str) -> None: ...
 
@@ -69,6 +77,8 @@ class Speculator:
     # Until the proposer's acceptance is known (this many draft tokens verified), one
     # request a step speculates on the plan's MIN_GAIN: the gain depends on what it learns.
     LEARN_TOKENS = 32
+    # Output lengths of recent finished requests: what a request is expected to add still.
+    RECENT_LENGTHS = 256
 
     def __init__(self, config: SpeculativeConfig, proposer: Proposer, cost: StepCost,
                  max_num_batched_tokens: int) -> None:
@@ -83,6 +93,7 @@ class Speculator:
         self.guard = True  # False: the cost model alone decides (tests that need drafts)
         self._bucket = 0  # the batch-size range of the step being prepared
         self.pool = AcceptancePool()  # a draft model's recent acceptance over all requests
+        self.lengths: deque[int] = deque(maxlen=self.RECENT_LENGTHS)
 
     def prepare(self, running: list[Request], waiting: list[Request]) -> int:
         """Set the draft tokens of the running requests for the next step; returns how
@@ -118,6 +129,20 @@ class Speculator:
         # Planned as if every proposal were found: under load nothing is asked for at all.
         counts = plan_drafts(acceptance, limits, **plan_kw)
         chosen = [i for i, c in enumerate(counts) if c]
+        if chosen and not self.proposer.cheap:
+            # A request the draft has not followed yet (its history to write first) only if
+            # the tokens it is expected to add pay that back: not in the tail of a busy
+            # server, where a few long requests remain with little left to generate.
+            token_seconds = self.cost(base)  # a plain step: one token for each request
+            unpaid = {i for i in chosen if not catch_up_pays(
+                self.proposer.catch_up_seconds(decoding[i]),
+                expected_remaining(decoding[i].num_output_tokens, decoding[i].max_tokens,
+                                   self.lengths),
+                token_seconds, self.MODEL_GAIN)}
+            if unpaid:
+                limits = [0 if i in unpaid else n for i, n in enumerate(limits)]
+                counts = plan_drafts(acceptance, limits, **plan_kw)
+                chosen = [i for i, c in enumerate(counts) if c]
         if chosen and not self.proposer.cheap and not any(
                 plan_drafts(acceptance, limits, **{**plan_kw, "min_gain": self.MODEL_GAIN})):
             chosen = chosen[:1] if self.pool.drafted < self.LEARN_TOKENS else []
@@ -170,6 +195,13 @@ class Speculator:
         self._bucket = 0
         arm.observe(any(s.num_draft_tokens for s in sched.scheduled), seconds,
                     sum(len(t) for t in result.sampled_token_ids.values()))
+
+    def finished(self, request: Request) -> None:
+        """A request ended: its proposer state goes, and its output length (one that ended
+        on a stop or at its limit, not an abort) joins the recent lengths."""
+        if request.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
+            self.lengths.append(request.num_output_tokens)
+        self.proposer.free(request.request_id)
 
     def free(self, request_id: str) -> None:
         self.proposer.free(request_id)
