@@ -481,6 +481,36 @@ def test_a_draft_model_skips_requests_whose_catch_up_does_not_pay():
     assert list(spec.lengths) == [100, 105, 110]
 
 
+
+def test_a_faded_record_weighs_less_against_the_prior():
+    assert acceptance_estimate(1, 9, prior=0.9, fade=1.0) == pytest.approx((1 + 1.8) / 11)
+    assert acceptance_estimate(1, 9, prior=0.9, fade=0.5) == pytest.approx((0.5 + 1.8) / 6.5)
+    assert acceptance_estimate(1, 9, prior=0.9, fade=1e-9) == pytest.approx(0.9)
+
+
+def test_a_draft_models_request_speculates_again_after_a_bad_stretch():
+    """One verification with 1 of 9 drafts accepted puts the request's estimate below what a
+    draft model's plan takes; with no new evidence it would never speculate again. Its
+    record fades over the steps it runs plain, back towards the pool's 90%."""
+    cost = StepCost([(1, 0.020), (1 << 20, 0.020)])
+    spec = Speculator(SpeculativeConfig(method="ngram", num_speculative_tokens=8),
+                      _CatchingUp(0.0), cost, 256)
+    spec.guard = False
+    spec.pool = AcceptancePool(accepted=90, drafted=100)
+    r = _decoding("a", 20, 10)
+    assert spec.prepare([r], []) == 8
+    params = SamplingParams(max_tokens=256)
+    sched = SchedulerOutput([ScheduledRequest("a", [1] * 9, 29, [[0]], True, params,
+                                              num_draft_tokens=8)], 9)
+    r.num_draft_tokens, r.num_accepted_tokens = 8, 1
+    spec.observe(sched, ModelRunnerOutput({"a": [7, 3]}), 0.02)
+    plain_steps = 0
+    while spec.prepare([r], []) == 0:
+        plain_steps += 1
+        assert plain_steps < 30, "the bad stretch was never forgotten"
+    assert 1 <= plain_steps <= 15
+
+
 # ---- the configuration ------------------------------------------------------------------
 
 

@@ -81,6 +81,7 @@ class DraftProposer:
         self._free = list(range(num_blocks - 1, -1, -1))
         self._seqs: dict[str, _DraftSequence] = {}
         self.step_seconds = self._time_step()
+        self.last_catch_up_seconds = 0.0
         self.prefill_token_seconds = self._time_prefill()
         logger.info("draft model: %s, %d layers; a proposal step %.2f ms, a history token "
                     "written %.3f ms", self.loaded.describe(), arch.num_hidden_layers,
@@ -91,6 +92,7 @@ class DraftProposer:
     @torch.inference_mode()
     def propose(self, requests: list[Request], counts: list[int]) -> list[list[int]]:
         proposals: list[list[int]] = [[] for _ in requests]
+        self.last_catch_up_seconds = 0.0
         active: list[tuple[int, Request, _DraftSequence]] = []
         for i, (r, k) in enumerate(zip(requests, counts)):
             if k <= 0:
@@ -103,7 +105,9 @@ class DraftProposer:
                 active.append((i, r, seq))
         if not active:
             return proposals
+        start = time.perf_counter()
         first = self._catch_up(active)  # all but the last few tokens of each history
+        self.last_catch_up_seconds = time.perf_counter() - start
         last = [r.all_token_ids[-1] for _, r, _ in active]
         for step in range(max(counts[i] for i, _, _ in active)):
             items, owners = [], []
@@ -132,13 +136,15 @@ class DraftProposer:
         return proposals
 
     def catch_up_seconds(self, request: Request) -> float:
-        """Seconds to write the part of the request's history that the draft's cache lacks
-        and the first proposal pass does not carry (see _catch_up): its prompt and output the
-        first time, next to nothing once the draft follows it."""
+        """Seconds to write the history of a request the draft does not follow yet (its
+        prompt and output so far, but what the first proposal pass carries: see _catch_up).
+        Once it follows a request, what the draft lags after steps that did not speculate is
+        written as part of proposing, and not counted here."""
         seq = self._seqs.get(request.request_id)
-        held = 0 if seq is None else seq.num_computed + _kept(seq, request.all_token_ids)
+        if seq is not None and seq.num_computed > 0:
+            return 0.0
         carry = self.num_speculative_tokens + 1
-        return max(request.num_tokens - 1 - carry - held, 0) * self.prefill_token_seconds
+        return max(request.num_tokens - 1 - carry, 0) * self.prefill_token_seconds
 
     def free(self, request_id: str) -> None:
         seq = self._seqs.pop(request_id, None)

@@ -30,6 +30,7 @@ class NgramProposer:
 
     cheap = True
     step_seconds = 0.0
+    last_catch_up_seconds = 0.0
 
     def __init__(self, min_n: int, max_n: int) -> None:
         self.min_n, self.max_n = min_n, max_n

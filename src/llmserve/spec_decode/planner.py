@@ -132,14 +132,15 @@ class AcceptancePool:
         return (self.accepted + 1) / (self.drafted + 2)
 
 
-def acceptance_estimate(accepted: int, drafted: int, prior: float,
-                        weight: float = 2.0) -> float:
+def acceptance_estimate(accepted: float, drafted: float, prior: float,
+                        weight: float = 2.0, fade: float = 1.0) -> float:
     """A request's acceptance rate per draft token: its own counts, smoothed towards
     ``prior`` (the pool's rate) as if ``weight`` drafts had been verified at that rate. A new
     request of a draft model starts at what the draft achieves on the others (one that
     agrees with its target 95% of the time drafts fully from the first step), and its own
-    record takes over as it grows."""
-    return (accepted + weight * prior) / (drafted + weight)
+    record takes over as it grows. ``fade`` (in (0, 1]) scales its own counts: what is left
+    of a record that has not grown for a while."""
+    return (accepted * fade + weight * prior) / (drafted * fade + weight)
 
 
 # ---- what the steps actually cost ----------------------------------------------------------

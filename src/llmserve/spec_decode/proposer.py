@@ -36,12 +36,14 @@ class Proposer(Protocol):
     cheap: bool
     # Seconds of one proposal step (a draft model's forward pass; 0 for lookups).
     step_seconds: float
+    # Seconds the last propose() spent writing histories (catch_up_seconds' work).
+    last_catch_up_seconds: float
 
     def propose(self, requests: list[Request], counts: list[int]) -> list[list[int]]: ...
 
     def catch_up_seconds(self, request: Request) -> float:
-        """What proposing for the request next costs beyond a proposal step: a draft model's
-        writing of the history its cache lacks (0 for lookups)."""
+        """What starting to propose for the request costs: a draft model's writing of the
+        history of a request it does not follow yet (0 for lookups)."""
         ...
 
     def free(self, request_id: str) -> None: ...
@@ -79,6 +81,10 @@ class Speculator:
     LEARN_TOKENS = 32
     # Output lengths of recent finished requests: what a request is expected to add still.
     RECENT_LENGTHS = 256
+    # With a draft model, the weight a request's own acceptance record keeps per step in
+    # which it did not speculate: after a bad stretch, ~10 plain steps bring it back to
+    # the pool's rate.
+    FADE = 0.8
 
     def __init__(self, config: SpeculativeConfig, proposer: Proposer, cost: StepCost,
                  max_num_batched_tokens: int) -> None:
@@ -94,11 +100,16 @@ class Speculator:
         self._bucket = 0  # the batch-size range of the step being prepared
         self.pool = AcceptancePool()  # a draft model's recent acceptance over all requests
         self.lengths: deque[int] = deque(maxlen=self.RECENT_LENGTHS)
+        self._catch_up = 0.0  # seconds of history writing in the step being prepared
+        self._steps = 0  # prepare() calls
+        self._verified_at: dict[str, int] = {}  # the step a request last verified drafts
 
     def prepare(self, running: list[Request], waiting: list[Request]) -> int:
         """Set the draft tokens of the running requests for the next step; returns how
         many were proposed."""
         start = time.perf_counter()
+        self._catch_up = 0.0
+        self._steps += 1
         decoding, pending = [], 0
         for r in running:
             r.draft_token_ids = []
@@ -122,10 +133,20 @@ class Speculator:
                        budget=self.budget - base, cost=self.cost,
                        propose_seconds=self.proposer.step_seconds, min_gain=self.MIN_GAIN)
         # A draft model's acceptance is a property of the model pair: a new request starts
-        # from the pool's. A lookup's is one of the request's text: it starts from 1/2.
-        prior = 0.5 if self.proposer.cheap else self.pool.rate
-        acceptance = [acceptance_estimate(r.num_accepted_tokens, r.num_draft_tokens, prior)
-                      for r in decoding]
+        # from the pool's, and a request's own record fades back to it over the steps it
+        # does not speculate in (one bad stretch must not end its speculation for good: no
+        # new evidence would come). A lookup's is one of the request's text: it starts from
+        # 1/2 and keeps its record.
+        if self.proposer.cheap:
+            acceptance = [acceptance_estimate(r.num_accepted_tokens, r.num_draft_tokens, 0.5)
+                          for r in decoding]
+        else:
+            acceptance = []
+            for r in decoding:
+                idle = self._steps - self._verified_at.get(r.request_id, self._steps)
+                acceptance.append(acceptance_estimate(
+                    r.num_accepted_tokens, r.num_draft_tokens, self.pool.rate,
+                    fade=self.FADE ** idle))
         # Planned as if every proposal were found: under load nothing is asked for at all.
         counts = plan_drafts(acceptance, limits, **plan_kw)
         chosen = [i for i, c in enumerate(counts) if c]
@@ -167,6 +188,7 @@ class Speculator:
                                           [counts[i] for i in chosen])
             for i, p in zip(chosen, found):
                 proposals[i] = p[:counts[i]]
+            self._catch_up = self.proposer.last_catch_up_seconds
         total = 0
         for r, p in zip(decoding, proposals):
             r.draft_token_ids = p
@@ -178,14 +200,16 @@ class Speculator:
                 seconds: float) -> None:
         """Account a step that ran (``seconds`` from prepare() to the scheduler's update):
         decode-only steps feed the guard's measurements; steps with prompt chunks, whose
-        cost is mostly the prompt's, do not. A draft model's prefill of a request's prompt is
-        part of the first step that speculates for it: a cost of speculating, spread by the
-        arm's sums over the steps that follow."""
+        cost is mostly the prompt's, do not. A draft model's writing of a request's history
+        (its prompt, the first time) is left out: whether that pays was decided before it was
+        made (catch_up_pays, from the tokens the request should still add), and one such
+        write would otherwise weigh on the speculating arm for many steps after."""
         if not self.proposer.cheap:  # the pool is a draft model's prior (see prepare)
             for s in sched.scheduled:
                 if s.num_draft_tokens:
                     emitted = len(result.sampled_token_ids.get(s.request_id, ()))
                     self.pool.observe(s.num_draft_tokens, max(emitted - 1, 0))
+                    self._verified_at[s.request_id] = self._steps
         if not sched.scheduled or any(s.num_tokens != 1 + s.num_draft_tokens
                                       for s in sched.scheduled):
             return
@@ -193,7 +217,8 @@ class Speculator:
         arm = self.arms.setdefault(self._bucket or batch_bucket(len(sched.scheduled)),
                                    ArmStats())
         self._bucket = 0
-        arm.observe(any(s.num_draft_tokens for s in sched.scheduled), seconds,
+        arm.observe(any(s.num_draft_tokens for s in sched.scheduled),
+                    seconds - self._catch_up,
                     sum(len(t) for t in result.sampled_token_ids.values()))
 
     def finished(self, request: Request) -> None:
@@ -201,9 +226,10 @@ class Speculator:
         on a stop or at its limit, not an abort) joins the recent lengths."""
         if request.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
             self.lengths.append(request.num_output_tokens)
-        self.proposer.free(request.request_id)
+        self.free(request.request_id)
 
     def free(self, request_id: str) -> None:
+        self._verified_at.pop(request_id, None)
         self.proposer.free(request_id)
 
     def reset(self) -> None:
