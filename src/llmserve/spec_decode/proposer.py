@@ -143,7 +143,9 @@ class Speculator:
         else:
             acceptance = []
             for r in decoding:
-                idle = self._steps - self._verified_at.get(r.request_id, self._steps)
+                # Steps run without drafts since its last verification.
+                last = self._verified_at.get(r.request_id)
+                idle = 0 if last is None else self._steps - 1 - last
                 acceptance.append(acceptance_estimate(
                     r.num_accepted_tokens, r.num_draft_tokens, self.pool.rate,
                     fade=self.FADE ** idle))
