@@ -143,8 +143,7 @@ class DraftProposer:
         seq = self._seqs.get(request.request_id)
         if seq is not None and seq.num_computed > 0:
             return 0.0
-        carry = self.num_speculative_tokens + 1
-        return max(request.num_tokens - 1 - carry, 0) * self.prefill_token_seconds
+        return self._first_pass_start(request, 0) * self.prefill_token_seconds
 
     def free(self, request_id: str) -> None:
         seq = self._seqs.pop(request_id, None)
@@ -183,14 +182,19 @@ class DraftProposer:
             seq.blocks.append(self._free.pop())
         return True
 
+    def _first_pass_start(self, request: Request, held: int) -> int:
+        """Where the first proposal pass starts in a history of which the cache holds
+        ``held`` tokens: at most ``num_speculative_tokens + 1`` tokens before its last (what
+        one speculating step emits) ride in it; the rest is written before."""
+        return max(held, request.num_tokens - 1 - (self.num_speculative_tokens + 1))
+
     def _catch_up(self, active: list[tuple[int, Request, _DraftSequence]]) -> dict[str, int]:
         """Write the draft KV of each request's history but its last few tokens, in passes of
         at most the engine's token budget; returns, per request, where the first proposal
         pass starts. It takes at most ``num_speculative_tokens + 1`` tokens before the last
         (what one speculating step emits) and its requests' tokens stay within the budget;
         the rest of a history is written here."""
-        carry = self.num_speculative_tokens + 1
-        first = {r.request_id: max(seq.num_computed, r.num_tokens - 1 - carry)
+        first = {r.request_id: self._first_pass_start(r, seq.num_computed)
                  for _, r, seq in active}
         if sum(r.num_tokens - first[r.request_id] for _, r, _ in active) > self.budget:
             first = {r.request_id: r.num_tokens - 1 for _, r, _ in active}
