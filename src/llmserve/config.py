@@ -136,6 +136,9 @@ class SpeculativeConfig:
     quantization: the draft model's weight format (default: what its file holds).
     suffix_decoding_max_cached_requests: recent requests whose tokens ``suffix`` matches
         against (vLLM's name).
+    draft_prompt_lookup: the draft model checks what a prompt lookup expects next in its
+        first pass and skips the passes for the tokens it confirms (``draft``; the
+        proposals are the same, made in fewer passes).
     """
 
     method: str = "ngram"
@@ -146,6 +149,7 @@ class SpeculativeConfig:
     draft_num_layers: int | None = None
     quantization: str = "auto"
     suffix_decoding_max_cached_requests: int = 256
+    draft_prompt_lookup: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -167,6 +171,9 @@ class SpeculativeConfig:
         if not isinstance(cached, int) or isinstance(cached, bool) or cached < 1:
             raise ValueError("suffix_decoding_max_cached_requests must be a positive integer, "
                              f"got {cached!r}")
+        if not isinstance(self.draft_prompt_lookup, bool):
+            raise ValueError("draft_prompt_lookup must be true or false, "
+                             f"got {self.draft_prompt_lookup!r}")
         if self.draft_num_layers is not None and (
                 not isinstance(self.draft_num_layers, int) or self.draft_num_layers < 1):
             raise ValueError(f"draft_num_layers must be a positive integer, "

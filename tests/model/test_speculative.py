@@ -256,3 +256,46 @@ def test_rejected_drafts_roll_back_inside_sliding_windows(tiny_model_dir):
     assert stats.spec_draft_tokens > stats.spec_accepted_tokens
     llm.engine.kv_manager.check_integrity()
     assert stats.kv_blocks_used == 0
+
+
+def _recorded_draft_run(path, config: dict, prompts, params):
+    """Output of a speculating-always run with ``config``, every proposal made, how many
+    request shares the draft's passes held, and its prompt-lookup guesses: checked, kept."""
+    llm = LLM(str(path), max_model_len=512, num_kv_blocks=256, speculative_config=config)
+    speculate_always(llm.engine.speculator)
+    proposer = llm.engine.speculator.proposer
+    proposals, passes = [], []
+    propose, forward = proposer.propose, proposer.runner.forward_logits
+
+    def recorded_propose(requests, counts):
+        proposals.append(propose(requests, counts))
+        return proposals[-1]
+
+    def recorded_forward(sched):
+        passes.append(sched)
+        return forward(sched)
+
+    proposer.propose, proposer.runner.forward_logits = recorded_propose, recorded_forward
+    out = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert not proposer._seqs and len(proposer._free) == proposer.num_blocks
+    shares = sum(len(sched.scheduled) for sched in passes)
+    return out, proposals, shares, proposer.guessed, proposer.guesses_kept
+
+
+def test_prompt_lookup_guesses_save_draft_passes(tiny_model_dir):
+    """The draft checks what a prompt lookup expects next in the rows of its passes and
+    skips a pass for each guess it confirms: the same proposals and output as without, with
+    one request's share of a pass fewer for each confirmed guess."""
+    path, _ = tiny_model_dir("llama-gqa")
+    prompts, _ = _workload(8)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    config = {"method": "draft", "model": str(path), "num_speculative_tokens": 4,
+              "draft_num_layers": 1, "prompt_lookup_min": 1}
+    out_off, proposals_off, shares_off, guessed_off, _ = _recorded_draft_run(
+        path, config | {"draft_prompt_lookup": False}, prompts, params)
+    out_on, proposals_on, shares_on, guessed, kept = _recorded_draft_run(
+        path, config, prompts, params)
+    assert out_on == out_off
+    assert proposals_on == proposals_off
+    assert guessed_off == 0 and guessed > kept > 0  # confirmed guesses and refuted ones
+    assert shares_on == shares_off - kept

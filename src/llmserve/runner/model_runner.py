@@ -145,10 +145,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward_logits(self, sched: SchedulerOutput) -> torch.Tensor:
-        """Run the step's forward pass (writing its KV); logits [N, vocab] float32 for the
-        N scheduled requests that sample, in schedule order."""
+        """Run the step's forward pass (writing its KV); logits float32 [N, vocab] for the
+        requests that sample, in schedule order: ``num_draft_tokens + 1`` rows each (the
+        last known token and each proposal after it; one row without proposals)."""
         hidden, ends = self._forward(sched)
-        rows = [ends[i] for i, s in enumerate(sched.scheduled) if s.sample]
+        rows = [ends[i] - s.num_draft_tokens + j for i, s in enumerate(sched.scheduled)
+                if s.sample for j in range(s.num_draft_tokens + 1)]
         return self.model.compute_logits(hidden[rows])
 
     @torch.inference_mode()

@@ -3,16 +3,24 @@
 The draft runs on the same engine code as the target (a ``ModelRunner`` with its own paged
 KV cache and its own block table per request, so the target's block accounting never sees
 it). Per request it remembers how many tokens of the history its cache holds. Each call
-runs ``k`` passes, all requests batched in each: the first takes the tokens the target
+runs up to ``k`` passes, all requests batched in each: the first takes the tokens the target
 emitted since the last proposal (the bonus token, a draft the last pass did not write, the
 tokens of steps that did not speculate) with the last known token, and proposes from its
-last row; the others take one token each. A longer history not yet in the cache (the
-prompt, the first time) is written before, in passes of the engine's token budget: the
-request's prefill in the draft, paid once, which is why the Speculator engages a draft model
-only where speculation promises much (one user on an idle server), and for a request it has
-not followed yet only if the tokens the request is expected to add pay that prefill back
-(``catch_up_seconds``, planner.catch_up_pays). A proposal that the
-target then accepts is already in the draft's cache: the next call starts after it.
+last row; the others take one token each.
+
+Each pass also carries, after a request's token, what a prompt lookup over its history and
+proposal so far expects to follow (``draft_prompt_lookup``, on by default): the row of each
+guess gives the draft's own next token after it, as a pass of its own would, so every guess
+the draft confirms saves one pass (text copied from the prompt: quotes, code, names). The
+proposals are the same as without; a refuted guess costs its row.
+
+A longer history not yet in the cache (the prompt, the first time) is written before, in
+passes of the engine's token budget: the request's prefill in the draft, paid once, which is
+why the Speculator engages a draft model only where speculation promises much (one user on
+an idle server), and for a request it has not followed yet only if the tokens the request is
+expected to add pay that prefill back (``catch_up_seconds``, planner.catch_up_pays). A
+proposal that the target then accepts is already in the draft's cache: the next call starts
+after it.
 
 Proposals are greedy, so each is deterministic given the history, and the target's rule
 for deterministic proposals (keep a draft while the target's own sample equals it) is exact
@@ -27,6 +35,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from llmserve.attention.kv_format import resolve_kv_cache_dtype
@@ -38,6 +47,7 @@ from llmserve.models.loader import LoadedModel, load_model
 from llmserve.runner import ModelRunner
 from llmserve.sampling_params import SamplingParams
 from llmserve.scheduler.output import ScheduledRequest, SchedulerOutput
+from llmserve.spec_decode.ngram import NgramProposer, ngram_propose
 
 logger = get_logger(__name__)
 
@@ -80,6 +90,9 @@ class DraftProposer:
         self.num_speculative_tokens = config.num_speculative_tokens
         self._free = list(range(num_blocks - 1, -1, -1))
         self._seqs: dict[str, _DraftSequence] = {}
+        self.lookup = (NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+                       if config.draft_prompt_lookup else None)
+        self.guessed = self.guesses_kept = 0  # prompt-lookup guesses checked, confirmed
         self.step_seconds = self._time_step()
         self.last_catch_up_seconds = 0.0
         self.prefill_token_seconds = self._time_prefill()
@@ -105,31 +118,28 @@ class DraftProposer:
                 active.append((i, r, seq))
         if not active:
             return proposals
+        # Each pass carries, after a request's next token, what a prompt lookup over its
+        # history and proposal so far expects to follow: the rows of those guesses give
+        # the draft's own token after each, and the guesses it confirms save a pass each.
+        # The first pass starts with the rest of the history (see _catch_up).
+        guesses = [self._guesses(r, [], counts[i] - 1) for i, r, _ in active]
         start = time.perf_counter()
-        first = self._catch_up(active)  # all but the last few tokens of each history
+        first = self._catch_up(active, sum(map(len, guesses)))
         self.last_catch_up_seconds = time.perf_counter() - start
-        last = [r.all_token_ids[-1] for _, r, _ in active]
-        for step in range(max(counts[i] for i, _, _ in active)):
-            items, owners = [], []
-            for (i, r, seq), token in zip(active, last):
-                if step >= counts[i]:
-                    continue
-                if step == 0:  # the rest of the history and the last token, in one pass
-                    begin = first[r.request_id]
-                    items.append(ScheduledRequest(r.request_id, r.all_token_ids[begin:],
-                                                  begin, [seq.blocks], True, _GREEDY))
-                else:
-                    items.append(ScheduledRequest(r.request_id, [token],
-                                                  r.num_tokens - 1 + step, [seq.blocks], True,
-                                                  _GREEDY))
-                owners.append(i)
-            logits = self.runner.forward_logits(
-                SchedulerOutput(items, sum(s.num_tokens for s in items)))
-            tokens = logits.argmax(dim=-1).tolist()
-            for i, token in zip(owners, tokens):
-                proposals[i].append(token)
-            by_owner = dict(zip(owners, tokens))
-            last = [by_owner.get(i, t) for (i, _, _), t in zip(active, last)]
+        todo = [(i, r, seq, r.all_token_ids[first[r.request_id]:], first[r.request_id],
+                 guess) for (i, r, seq), guess in zip(active, guesses)]
+        while todo:
+            items = [ScheduledRequest(r.request_id, tokens + guess, pos, [seq.blocks], True,
+                                      _GREEDY, num_draft_tokens=len(guess))
+                     for _, r, seq, tokens, pos, guess in todo]
+            for (i, _, _, _, _, guess), rows in zip(todo, self._argmax(items)):
+                confirmed = _agreed(guess, rows)
+                proposals[i] += rows[:confirmed + 1]
+                self.guessed += len(guess)
+                self.guesses_kept += confirmed
+            todo = [(i, r, seq, proposals[i][-1:], r.num_tokens - 1 + len(proposals[i]),
+                     self._guesses(r, proposals[i], counts[i] - len(proposals[i]) - 1))
+                    for i, r, seq, _, _, _ in todo if len(proposals[i]) < counts[i]]
         for i, r, seq in active:
             seq.num_computed = r.num_tokens
             seq.proposed = proposals[i]
@@ -146,6 +156,8 @@ class DraftProposer:
         return self._first_pass_start(request, 0) * self.prefill_token_seconds
 
     def free(self, request_id: str) -> None:
+        if self.lookup is not None:
+            self.lookup.free(request_id)
         seq = self._seqs.pop(request_id, None)
         if seq is not None:
             self._free.extend(reversed(seq.blocks))
@@ -174,6 +186,26 @@ class DraftProposer:
             best = min(best, time.perf_counter() - start)
         return best / num_tokens
 
+    def _argmax(self, items: list[ScheduledRequest]) -> list[list[int]]:
+        """One pass over the items; each item's greedy tokens, one per row it verifies."""
+        tokens = self.runner.forward_logits(
+            SchedulerOutput(items, sum(s.num_tokens for s in items))).argmax(dim=-1).tolist()
+        out, row = [], 0
+        for s in items:
+            out.append(tokens[row:row + s.num_draft_tokens + 1])
+            row += s.num_draft_tokens + 1
+        return out
+
+    def _guesses(self, request: Request, proposed: list[int], count: int) -> list[int]:
+        """Up to ``count`` tokens a prompt lookup expects after the history and the tokens
+        ``proposed`` so far."""
+        if count <= 0 or self.lookup is None:
+            return []
+        history = self.lookup.history(request)
+        if proposed:
+            history = np.concatenate([history, np.asarray(proposed, dtype=history.dtype)])
+        return ngram_propose(history, self.lookup.min_n, self.lookup.max_n, count)
+
     def _reserve(self, seq: _DraftSequence, num_positions: int) -> bool:
         need = -(-num_positions // self.block_size) - len(seq.blocks)
         if need > len(self._free):
@@ -188,15 +220,18 @@ class DraftProposer:
         one speculating step emits) ride in it; the rest is written before."""
         return max(held, request.num_tokens - 1 - (self.num_speculative_tokens + 1))
 
-    def _catch_up(self, active: list[tuple[int, Request, _DraftSequence]]) -> dict[str, int]:
+    def _catch_up(self, active: list[tuple[int, Request, _DraftSequence]],
+                  num_guesses: int) -> dict[str, int]:
         """Write the draft KV of each request's history but its last few tokens, in passes of
         at most the engine's token budget; returns, per request, where the first proposal
         pass starts. It takes at most ``num_speculative_tokens + 1`` tokens before the last
-        (what one speculating step emits) and its requests' tokens stay within the budget;
-        the rest of a history is written here."""
+        (what one speculating step emits) and its requests' tokens, with the
+        ``num_guesses`` guesses it also carries, stay within the budget; the rest of a
+        history is written here."""
         first = {r.request_id: self._first_pass_start(r, seq.num_computed)
                  for _, r, seq in active}
-        if sum(r.num_tokens - first[r.request_id] for _, r, _ in active) > self.budget:
+        if sum(r.num_tokens - first[r.request_id]
+               for _, r, _ in active) + num_guesses > self.budget:
             first = {r.request_id: r.num_tokens - 1 for _, r, _ in active}
         todo = {r.request_id: seq.num_computed for _, r, seq in active}
         while True:
@@ -214,6 +249,15 @@ class DraftProposer:
             if not items:
                 return first
             self.runner.write_kv(SchedulerOutput(items, used))
+
+
+def _agreed(guess: list[int], tokens: list[int]) -> int:
+    """How many guesses the draft's own tokens confirm: ``tokens[j]`` is the draft's token
+    after the history and ``guess[:j]``."""
+    n = 0
+    while n < len(guess) and guess[n] == tokens[n]:
+        n += 1
+    return n
 
 
 def _kept(seq: _DraftSequence, history: list[int]) -> int:

@@ -37,10 +37,11 @@ class NgramProposer:
         self._tokens: dict[str, np.ndarray] = {}
 
     def propose(self, requests: list, counts: list[int]) -> list[list[int]]:
-        return [ngram_propose(self._history(r), self.min_n, self.max_n, k) if k else []
+        return [ngram_propose(self.history(r), self.min_n, self.max_n, k) if k else []
                 for r, k in zip(requests, counts)]
 
-    def _history(self, request) -> np.ndarray:
+    def history(self, request) -> np.ndarray:
+        """The request's prompt and output so far, as an array kept between calls."""
         all_ids = request.all_token_ids
         cached = self._tokens.get(request.request_id)
         if cached is None or len(cached) > len(all_ids):

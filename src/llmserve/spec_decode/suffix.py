@@ -101,7 +101,7 @@ class SuffixProposer(NgramProposer):
         self.shared = SharedHistory(min_n, max_n, max_cached_requests)
 
     def propose(self, requests: list, counts: list[int]) -> list[list[int]]:
-        return [suffix_propose(self._history(r), self.shared, k) if k else []
+        return [suffix_propose(self.history(r), self.shared, k) if k else []
                 for r, k in zip(requests, counts)]
 
     def free(self, request_id: str) -> None:
