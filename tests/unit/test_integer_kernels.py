@@ -153,7 +153,9 @@ def test_int8_kernel_rejects_mismatched_shapes():
 
 
 # (out, in, group); row counts below cover every tile size (up to 4 rows: one tile of the whole
-# panel; more: balanced tiles of up to 6 rows a half panel at a time: 5, 3 + 4, 4 + 5, 5 + 6 + 6).
+# panel, or of half panels where the panels do not split evenly over the threads: 3, 15 and
+# 9 panels on 2 threads; more: balanced tiles of up to 6 rows a half panel at a time: 5,
+# 3 + 4, 4 + 5, 5 + 6 + 6).
 INT4_SHAPES = [(100, 64, 32), (130, 256, 64), (64, 128, 128), (960, 576, 32), (576, 1536, 128)]
 
 
@@ -163,10 +165,17 @@ def test_int4_kernel_equals_reference_bitwise(n: int, k: int, group: int):
     b = quantize_groups(torch.randn(n, k, generator=gen) * 0.05, group)
     scale, zero = b.scale.half(), b.zero.half()
     packed, scale_zero = pack_int4(b.q, scale, zero)
-    for m in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 17, 64):
-        x = _activations(m, k, gen)
-        got = ops.int4_linear(x, packed, scale_zero, group, n)
-        assert torch.equal(got, int4_reference(x, b.q, scale, zero)), f"{m} rows"
+    threads = torch.get_num_threads()
+    try:
+        for num_threads in (1, 2, 3):
+            torch.set_num_threads(num_threads)
+            for m in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 17, 64):
+                x = _activations(m, k, gen)
+                got = ops.int4_linear(x, packed, scale_zero, group, n)
+                assert torch.equal(got, int4_reference(x, b.q, scale, zero)), \
+                    f"{m} rows, {num_threads} threads"
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_int4_layer_is_close_to_its_dequantized_weight():

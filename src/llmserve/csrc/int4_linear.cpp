@@ -69,9 +69,13 @@ struct Prefetch {
   int64_t ahead_lines;
 };
 
-// (activations, weight group, weights as packed, scale_zero, y, y stride, columns, prefetch).
+// Which channels of a panel a tile computes: all four blocks, or one half (blocks 2h, 2h + 1).
+constexpr int kWholePanel = -1;
+
+// (activations, weight group, weights as packed, scale_zero, y, y stride, columns, prefetch,
+// half: kWholePanel or 0 / 1). y and columns are the panel's, whatever the half.
 using TileFn = void (*)(const Activations&, int64_t, const uint8_t*, const uint16_t*, float*,
-                        int64_t, int64_t, const Prefetch&);
+                        int64_t, int64_t, const Prefetch&, int);
 
 // A call of up to kSingleTileRows rows runs one tile of its rows (`single`); more rows are
 // split into balanced tiles of up to `max_rows` (`by_rows`).
@@ -79,7 +83,7 @@ constexpr int kSingleTileRows = 4;
 
 struct Tiles {
   TileFn single[kSingleTileRows + 1];  // single[T]: T rows, the panel's only tile
-  TileFn by_rows[kMaxTileRows + 1];    // by_rows[T]: a tile of T rows of many
+  TileFn by_rows[kMaxTileRows + 1];    // by_rows[T]: a tile of T rows of many, or half a panel
   int64_t max_rows;
 };
 
@@ -157,9 +161,13 @@ void run_int4(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& s
   // Work items: (panel, tile of rows), panel-major, so that a thread runs the row tiles of one
   // panel back to back while the panel sits in cache. A panel's first pass waits on memory;
   // with two tiles or more a panel, each tile instead fetches its share of the thread's next
-  // panel into L2 while it computes (as int8_linear does).
+  // panel into L2 while it computes (as int8_linear does). A few rows whose panels do not
+  // split evenly over the threads (9 panels on 2: 5 against 4) run in half panels instead
+  // (9 against 9), each half-panel item a tile of all the rows: the same arithmetic per
+  // output, so the same bits.
   const bool single = m <= kSingleTileRows;
-  const TileFn* by_rows = single ? kernels.single : kernels.by_rows;
+  const bool halves = single && panels % at::get_num_threads() != 0;
+  const TileFn* by_rows = halves ? kernels.by_rows : single ? kernels.single : kernels.by_rows;
   const int64_t tiles = single ? 1 : (m + kernels.max_rows - 1) / kernels.max_rows;
   const int64_t panel_bytes = k * 32, panel_lines = panel_bytes / 64;
   const bool spread = tiles >= 2;
@@ -167,19 +175,23 @@ void run_int4(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& s
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const auto* szp = reinterpret_cast<const uint16_t*>(scale_zero.data_ptr<at::Half>());
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, panels * tiles, 1, [&](int64_t b, int64_t e) {
-    for (int64_t item = b; item < e; ++item) {
+  const int parts = halves ? 2 : 1;  // items a panel is split into, across its channels
+  at::parallel_for(0, panels * tiles * parts, 1, [&](int64_t b, int64_t e) {
+    for (int64_t part_item = b; part_item < e; ++part_item) {
+      const int64_t item = part_item / parts;
+      const int half = halves ? static_cast<int>(part_item % parts) : kWholePanel;
       const int64_t p = item / tiles, t = item % tiles;
       const int64_t t0 = t * m / tiles, rows = (t + 1) * m / tiles - t0;  // balanced
       const int64_t n0 = p * kPanel * kBlock;
       const int64_t first_line = std::min(t * share_lines, panel_lines);
       const Prefetch prefetch{
-          item == b || (t == 0 && !spread), wp + (p + 1) * panel_bytes + first_line * 64,
+          part_item == b || (t == 0 && !spread), wp + (p + 1) * panel_bytes + first_line * 64,
           spread && (p + 1) * tiles < e ? std::min(share_lines, panel_lines - first_line) : 0};
       const Activations act{codes + t0 * k, scales + t0 * act_groups,
                             scaled_sums + t0 * act_groups, k, act_groups};
       by_rows[rows](act, group, wp + p * panel_bytes, szp + p * groups * 2 * kPanel * kBlock,
-                    yp + t0 * n + n0, n, std::min<int64_t>(kPanel * kBlock, n - n0), prefetch);
+                    yp + t0 * n + n0, n, std::min<int64_t>(kPanel * kBlock, n - n0), prefetch,
+                    half);
     }
   });
 }
@@ -234,7 +246,7 @@ __attribute__((noinline)) void group_dots(const int8_t* q, int64_t k, int64_t j0
 template <int T>
 void tile(const Activations& act, int64_t group, const uint8_t* weights,
           const uint16_t* scale_zero, float* y, int64_t y_stride, int64_t cols,
-          const Prefetch& prefetch) {
+          const Prefetch& prefetch, int /*half: always the whole panel*/) {
   const int64_t per_group = group / kActGroup;
   alignas(64) float out[T][kPanel * kBlock] = {};
   alignas(64) __m512i sums[T * kPanel];
@@ -270,13 +282,14 @@ void tile(const Activations& act, int64_t group, const uint8_t* weights,
 template <int T, bool first_pass>
 void register_tile_impl(const Activations& act, int64_t group, const uint8_t* weights,
                         const uint16_t* scale_zero, float* y, int64_t y_stride, int64_t cols,
-                        const Prefetch& prefetch) {
+                        const Prefetch& prefetch, int half) {
   const int64_t per_group = group / kActGroup, k = act.k;
   const auto* codes = reinterpret_cast<const uint8_t*>(act.codes);
   const __m512i low = _mm512_set1_epi8(0x0F);
   const int64_t ahead_per_step = (prefetch.ahead_lines + 2 * act.groups - 1) / (2 * act.groups);
   int64_t ahead = 0;
-  for (int h = 0; h < 2 && 2 * h * kBlock < cols; ++h) {
+  const int h_begin = half == kWholePanel ? 0 : half, h_end = half == kWholePanel ? 2 : half + 1;
+  for (int h = h_begin; h < h_end && 2 * h * kBlock < cols; ++h) {
     __m512 out[T][2];
 #pragma GCC unroll 8
     for (int t = 0; t < T; ++t) out[t][0] = out[t][1] = _mm512_setzero_ps();
@@ -327,9 +340,9 @@ void register_tile_impl(const Activations& act, int64_t group, const uint8_t* we
 template <int T>
 void register_tile(const Activations& act, int64_t group, const uint8_t* weights,
                    const uint16_t* scale_zero, float* y, int64_t y_stride, int64_t cols,
-                   const Prefetch& prefetch) {
+                   const Prefetch& prefetch, int half) {
   (prefetch.first_pass ? register_tile_impl<T, true> : register_tile_impl<T, false>)(
-      act, group, weights, scale_zero, y, y_stride, cols, prefetch);
+      act, group, weights, scale_zero, y, y_stride, cols, prefetch, half);
 }
 
 constexpr Tiles kTiles = {{nullptr, tile<1>, tile<2>, tile<3>, tile<4>},
@@ -408,9 +421,11 @@ void block_of_tile(const Activations& act, int64_t group, const uint8_t* weights
 template <int T>
 void tile(const Activations& act, int64_t group, const uint8_t* weights,
           const uint16_t* scale_zero, float* y, int64_t y_stride, int64_t cols,
-          const Prefetch& /*prefetch*/) {
+          const Prefetch& /*prefetch*/, int half) {
   alignas(32) float out[T][kBlock];
-  for (int c = 0; c < kPanel && c * kBlock < cols; ++c) {
+  const int c_begin = half == kWholePanel ? 0 : 2 * half;
+  const int c_end = half == kWholePanel ? kPanel : 2 * half + 2;
+  for (int c = c_begin; c < c_end && c * kBlock < cols; ++c) {
     block_of_tile<T>(act, group, weights, scale_zero, c, out);
     const int64_t width = std::min<int64_t>(kBlock, cols - c * kBlock);
     for (int t = 0; t < T; ++t)
