@@ -16,9 +16,10 @@
 //
 // Row tiles: a tile of T rows runs over a panel's groups, keeping its integer sums in
 // registers and unpacking each quad's nibbles in registers. Up to 4 rows are the panel's
-// only tile and read its four channel blocks at once; more rows are split into balanced
-// tiles (5: 5; 8: 4 + 4; 9: 4 + 5), which in the VNNI build take up to 6 rows and run half
-// a panel at a time with their float outputs in registers too.
+// only tile and read its four channel blocks at once (or, where the panels do not split
+// evenly over the threads, two tiles of half a panel each); more rows are split into
+// balanced tiles (5: 5; 8: 4 + 4; 9: 4 + 5), which in the VNNI build take up to 6 rows and
+// run half a panel at a time with their float outputs in registers too.
 //
 // Packing, per panel of 64 output channels, in reading order:
 //   weights [in / 4][2][64] bytes: byte i of half h holds channel-block 2h's (low nibble) and
