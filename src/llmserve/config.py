@@ -136,9 +136,9 @@ class SpeculativeConfig:
     quantization: the draft model's weight format (default: what its file holds).
     suffix_decoding_max_cached_requests: recent requests whose tokens ``suffix`` matches
         against (vLLM's name).
-    draft_prompt_lookup: the draft model checks what a prompt lookup expects next in its
-        first pass and skips the passes for the tokens it confirms (``draft``; the
-        proposals are the same, made in fewer passes).
+    draft_prompt_lookup: the draft model checks, in each of its passes, what a prompt
+        lookup (``prompt_lookup_min``/``_max``) expects next, and skips a pass for each
+        token it confirms (``draft``; on unless false: the same proposals in fewer passes).
     """
 
     method: str = "ngram"
@@ -149,7 +149,7 @@ class SpeculativeConfig:
     draft_num_layers: int | None = None
     quantization: str = "auto"
     suffix_decoding_max_cached_requests: int = 256
-    draft_prompt_lookup: bool = True
+    draft_prompt_lookup: bool | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -165,13 +165,16 @@ class SpeculativeConfig:
                              f"1 <= min <= max <= 32, got {lo!r} and {hi!r}")
         if self.method == "draft" and not self.model:
             raise ValueError('speculative method "draft" needs "model": the draft model')
-        if self.method != "draft" and (self.model or self.draft_num_layers):
-            raise ValueError('"model" and "draft_num_layers" apply to method "draft" only')
+        if self.method != "draft" and (self.model or self.draft_num_layers
+                                       or self.draft_prompt_lookup is not None):
+            raise ValueError('"model", "draft_num_layers" and "draft_prompt_lookup" apply to '
+                             'method "draft" only')
         cached = self.suffix_decoding_max_cached_requests
         if not isinstance(cached, int) or isinstance(cached, bool) or cached < 1:
             raise ValueError("suffix_decoding_max_cached_requests must be a positive integer, "
                              f"got {cached!r}")
-        if not isinstance(self.draft_prompt_lookup, bool):
+        if self.draft_prompt_lookup is not None and not isinstance(self.draft_prompt_lookup,
+                                                                   bool):
             raise ValueError("draft_prompt_lookup must be true or false, "
                              f"got {self.draft_prompt_lookup!r}")
         if self.draft_num_layers is not None and (

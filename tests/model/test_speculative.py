@@ -299,3 +299,29 @@ def test_prompt_lookup_guesses_save_draft_passes(tiny_model_dir):
     assert proposals_on == proposals_off
     assert guessed_off == 0 and guessed > kept > 0  # confirmed guesses and refuted ones
     assert shares_on == shares_off - kept
+
+
+def test_prompt_lookup_guesses_stay_within_the_token_budget(tiny_model_dir):
+    """Guesses ride in a pass only while the engine's token budget has room: with a budget
+    of barely one token per request, every pass stays within it and the output is still
+    the target's."""
+    path, _ = tiny_model_dir("llama-gqa")
+    prompts, _ = _workload(8)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    config = {"method": "draft", "model": str(path), "num_speculative_tokens": 4,
+              "draft_num_layers": 1, "prompt_lookup_min": 1}
+    llm = LLM(str(path), max_model_len=512, num_kv_blocks=256, speculative_config=config)
+    speculate_always(llm.engine.speculator)
+    proposer = llm.engine.speculator.proposer
+    proposer.budget = len(prompts) + 2
+    sizes, forward = [], proposer.runner.forward_logits
+
+    def recorded_forward(sched):
+        sizes.append(sched.num_batched_tokens)
+        return forward(sched)
+
+    proposer.runner.forward_logits = recorded_forward
+    want = LLM(str(path), max_model_len=512, num_kv_blocks=256).generate(prompts, params)
+    got = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert proposer.guessed > 0 and max(sizes) <= proposer.budget

@@ -524,7 +524,9 @@ def test_speculative_config_from_json_names_what_is_wrong():
                         ('{"method": "draft"}', 'needs "model"'),
                         ('{"method": "suffix", "suffix_decoding_max_cached_requests": 0}',
                          "positive integer"),
-                        ('{"draft_prompt_lookup": "yes"}', "true or false"),
+                        ('{"method": "draft", "model": "m", "draft_prompt_lookup": "yes"}',
+                         "true or false"),
+                        ('{"draft_prompt_lookup": false}', 'method "draft" only'),
                         ('{"num_speculative_token": 4}', "unknown speculative config keys"),
                         ("[1]", "JSON object"), ("{", "not valid JSON")]:
         with pytest.raises(ValueError) as e:

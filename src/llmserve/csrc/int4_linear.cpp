@@ -164,10 +164,12 @@ void run_int4(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& s
   // with two tiles or more a panel, each tile instead fetches its share of the thread's next
   // panel into L2 while it computes (as int8_linear does). A few rows whose panels do not
   // split evenly over the threads (9 panels on 2: 5 against 4) run in half panels instead
-  // (9 against 9), each half-panel item a tile of all the rows: the same arithmetic per
-  // output, so the same bits.
+  // where that evens the threads' shares (9 against 9), each half-panel item a tile of all
+  // the rows: the same arithmetic per output, so the same bits.
   const bool single = m <= kSingleTileRows;
-  const bool halves = single && panels % at::get_num_threads() != 0;
+  const int64_t threads = at::get_num_threads();
+  const auto most = [threads](int64_t items) { return (items + threads - 1) / threads; };
+  const bool halves = single && most(2 * panels) < 2 * most(panels);
   const TileFn* by_rows = halves ? kernels.by_rows : single ? kernels.single : kernels.by_rows;
   const int64_t tiles = single ? 1 : (m + kernels.max_rows - 1) / kernels.max_rows;
   const int64_t panel_bytes = k * 32, panel_lines = panel_bytes / 64;
@@ -366,22 +368,25 @@ namespace {
 // the groups: the float steps of the VNNI tile, 8 lanes at a time.
 template <int T>
 void block_of_tile(const Activations& act, int64_t group, const uint8_t* weights,
-                   const uint16_t* scale_zero, int c, float (&out)[T][kBlock]) {
+                   const uint16_t* scale_zero, int c, int half, float (&out)[T][kBlock]) {
   const int64_t per_group = group / kActGroup, k = act.k;
   const __m256i low = _mm256_set1_epi8(0x0F);
   const int shift = 4 * (c % 2);
-  const uint8_t* half = weights + 64 * (c / 2);
+  const uint8_t* half_ahead = weights + 16 * 128 + 64 * (c / 2);  // (see int8_linear.cpp)
+  const uint8_t* half_data = weights + 64 * (c / 2);
   for (int t = 0; t < T; ++t) std::fill(out[t], out[t] + kBlock, 0.f);
   for (int64_t a = 0; a < act.groups; ++a) {
     __m256i acc[T][2];
 #pragma GCC unroll 4
     for (int r = 0; r < T; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
     for (int64_t j = a * kActGroup / 4; j < (a + 1) * kActGroup / 4; ++j) {
-      const uint8_t* wj = half + j * 128;
-      if (c == 0) {  // the first block fetches both halves ahead (see int8_linear.cpp)
+      const uint8_t* wj = half_data + j * 128;
+      if (half == kWholePanel && c == 0) {  // the first block fetches both halves ahead
         _mm_prefetch(reinterpret_cast<const char*>(weights + (j + 16) * 128), _MM_HINT_T0);
         _mm_prefetch(reinterpret_cast<const char*>(weights + (j + 16) * 128 + 64),
                      _MM_HINT_T0);
+      } else if (c == 2 * half) {  // a half panel's first block fetches its half
+        _mm_prefetch(reinterpret_cast<const char*>(half_ahead + j * 128), _MM_HINT_T0);
       }
       const __m256i w0 = _mm256_and_si256(
           _mm256_srli_epi16(_mm256_load_si256(reinterpret_cast<const __m256i*>(wj)), shift),
@@ -427,7 +432,7 @@ void tile(const Activations& act, int64_t group, const uint8_t* weights,
   const int c_begin = half == kWholePanel ? 0 : 2 * half;
   const int c_end = half == kWholePanel ? kPanel : 2 * half + 2;
   for (int c = c_begin; c < c_end && c * kBlock < cols; ++c) {
-    block_of_tile<T>(act, group, weights, scale_zero, c, out);
+    block_of_tile<T>(act, group, weights, scale_zero, c, half, out);
     const int64_t width = std::min<int64_t>(kBlock, cols - c * kBlock);
     for (int t = 0; t < T; ++t)
       std::memcpy(y + t * y_stride + c * kBlock, out[t], width * sizeof(float));

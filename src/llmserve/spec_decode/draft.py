@@ -91,7 +91,7 @@ class DraftProposer:
         self._free = list(range(num_blocks - 1, -1, -1))
         self._seqs: dict[str, _DraftSequence] = {}
         self.lookup = (NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
-                       if config.draft_prompt_lookup else None)
+                       if config.draft_prompt_lookup is not False else None)
         self.guessed = self.guesses_kept = 0  # prompt-lookup guesses checked, confirmed
         self.step_seconds = self._time_step()
         self.last_catch_up_seconds = 0.0
@@ -122,24 +122,24 @@ class DraftProposer:
         # history and proposal so far expects to follow: the rows of those guesses give
         # the draft's own token after each, and the guesses it confirms save a pass each.
         # The first pass starts with the rest of the history (see _catch_up).
-        guesses = [self._guesses(r, [], counts[i] - 1) for i, r, _ in active]
         start = time.perf_counter()
-        first = self._catch_up(active, sum(map(len, guesses)))
+        first = self._catch_up(active)
         self.last_catch_up_seconds = time.perf_counter() - start
-        todo = [(i, r, seq, r.all_token_ids[first[r.request_id]:], first[r.request_id],
-                 guess) for (i, r, seq), guess in zip(active, guesses)]
+        # A pass: (owner, request, draft sequence, its tokens, their first position).
+        todo = [(i, r, seq, r.all_token_ids[first[r.request_id]:], first[r.request_id])
+                for i, r, seq in active]
         while todo:
+            guesses = self._pass_guesses(todo, counts, proposals)
             items = [ScheduledRequest(r.request_id, tokens + guess, pos, [seq.blocks], True,
                                       _GREEDY, num_draft_tokens=len(guess))
-                     for _, r, seq, tokens, pos, guess in todo]
-            for (i, _, _, _, _, guess), rows in zip(todo, self._argmax(items)):
+                     for (_, r, seq, tokens, pos), guess in zip(todo, guesses)]
+            for (i, *_), guess, rows in zip(todo, guesses, self._argmax(items)):
                 confirmed = _agreed(guess, rows)
                 proposals[i] += rows[:confirmed + 1]
                 self.guessed += len(guess)
                 self.guesses_kept += confirmed
-            todo = [(i, r, seq, proposals[i][-1:], r.num_tokens - 1 + len(proposals[i]),
-                     self._guesses(r, proposals[i], counts[i] - len(proposals[i]) - 1))
-                    for i, r, seq, _, _, _ in todo if len(proposals[i]) < counts[i]]
+            todo = [(i, r, seq, proposals[i][-1:], r.num_tokens - 1 + len(proposals[i]))
+                    for i, r, seq, _, _ in todo if len(proposals[i]) < counts[i]]
         for i, r, seq in active:
             seq.num_computed = r.num_tokens
             seq.proposed = proposals[i]
@@ -196,6 +196,18 @@ class DraftProposer:
             row += s.num_draft_tokens + 1
         return out
 
+    def _pass_guesses(self, todo: list, counts: list[int],
+                      proposals: list[list[int]]) -> list[list[int]]:
+        """Each request's guesses for a pass: up to what its count still needs after the
+        pass's token, while the engine's token budget has room."""
+        room = self.budget - sum(len(tokens) for _, _, _, tokens, _ in todo)
+        out = []
+        for i, r, _, _, _ in todo:
+            out.append(self._guesses(r, proposals[i],
+                                     min(counts[i] - len(proposals[i]) - 1, room)))
+            room -= len(out[-1])
+        return out
+
     def _guesses(self, request: Request, proposed: list[int], count: int) -> list[int]:
         """Up to ``count`` tokens a prompt lookup expects after the history and the tokens
         ``proposed`` so far."""
@@ -220,18 +232,15 @@ class DraftProposer:
         one speculating step emits) ride in it; the rest is written before."""
         return max(held, request.num_tokens - 1 - (self.num_speculative_tokens + 1))
 
-    def _catch_up(self, active: list[tuple[int, Request, _DraftSequence]],
-                  num_guesses: int) -> dict[str, int]:
+    def _catch_up(self, active: list[tuple[int, Request, _DraftSequence]]) -> dict[str, int]:
         """Write the draft KV of each request's history but its last few tokens, in passes of
         at most the engine's token budget; returns, per request, where the first proposal
         pass starts. It takes at most ``num_speculative_tokens + 1`` tokens before the last
-        (what one speculating step emits) and its requests' tokens, with the
-        ``num_guesses`` guesses it also carries, stay within the budget; the rest of a
-        history is written here."""
+        (what one speculating step emits) and its requests' tokens stay within the budget;
+        the rest of a history is written here."""
         first = {r.request_id: self._first_pass_start(r, seq.num_computed)
                  for _, r, seq in active}
-        if sum(r.num_tokens - first[r.request_id]
-               for _, r, _ in active) + num_guesses > self.budget:
+        if sum(r.num_tokens - first[r.request_id] for _, r, _ in active) > self.budget:
             first = {r.request_id: r.num_tokens - 1 for _, r, _ in active}
         todo = {r.request_id: seq.num_computed for _, r, seq in active}
         while True:

@@ -4,25 +4,33 @@ sequence's own ending n-gram (the longest n between min and max that occurs earl
 from __future__ import annotations
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 
 def ngram_propose(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:
     """Up to ``k`` tokens that followed the most recent earlier match of the last n tokens,
     for the longest n in [min_n, max_n] that has one; [] when none has.
 
-    ``tokens``: the prompt and output so far (1-D integer array).
+    ``tokens``: the prompt and output so far (1-D integer array). One pass over the history
+    finds the earlier occurrences of the last token; each longer n then only checks the
+    candidates still matching (the cost grows with the history once, not once per n).
     """
-    length = len(tokens)
-    for n in range(min(max_n, length - 1), min_n - 1, -1):
-        suffix = tokens[length - n:]
-        # Windows that start before the suffix itself and have a token after them.
-        windows = sliding_window_view(tokens[:length - 1], n)
-        hits = np.flatnonzero((windows == suffix).all(axis=1))
-        if len(hits):
-            start = int(hits[-1]) + n  # the most recent occurrence: the freshest context
-            return tokens[start:start + k].tolist()
-    return []
+    last = len(tokens) - 1
+    if last < min_n:
+        return []
+    # Ends j of earlier matches (each with a token after it: j < last), ascending.
+    ends = np.flatnonzero(tokens[:last] == tokens[last])
+    best = ends if min_n == 1 else ends[:0]
+    for n in range(2, min(max_n, last) + 1):
+        if not len(ends):
+            break
+        ends = ends[ends >= n - 1]
+        ends = ends[tokens[ends - (n - 1)] == tokens[last - (n - 1)]]
+        if n >= min_n and len(ends):
+            best = ends
+    if not len(best):
+        return []
+    start = int(best[-1]) + 1  # the most recent occurrence: the freshest context
+    return tokens[start:start + k].tolist()
 
 
 class NgramProposer:
