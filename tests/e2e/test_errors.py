@@ -156,9 +156,13 @@ def test_full_queue_is_429_with_retry_after(tight_server):
     responses = asyncio.run(run())
     statuses = sorted(r.status_code for r in responses)
     assert 429 in statuses and 200 in statuses, statuses
-    # into an idle engine, the burst fills its running slot before its queue: 1 + 2 served
-    assert statuses.count(200) >= 3, statuses
+    # into an idle engine, the burst fills its running slot before its queue: 1 + 2 taken.
+    # Each taken request finishes, or on a host slowed by other work reaches the 1-second
+    # deadline while it waits its turn (408): taking it is what is checked here.
+    assert statuses.count(200) + statuses.count(408) >= 3, statuses
     for r in responses:
+        if r.status_code == 408:
+            _envelope(r, 408, code="request_timeout")
         if r.status_code == 429:
             _envelope(r, 429, code="queue_full")
             assert int(r.headers["retry-after"]) >= 1
