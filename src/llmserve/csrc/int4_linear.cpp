@@ -170,7 +170,7 @@ void run_int4(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& s
   const int64_t threads = at::get_num_threads();
   const auto most = [threads](int64_t items) { return (items + threads - 1) / threads; };
   const bool halves = single && most(2 * panels) < 2 * most(panels);
-  const TileFn* by_rows = halves ? kernels.by_rows : single ? kernels.single : kernels.by_rows;
+  const TileFn* by_rows = single && !halves ? kernels.single : kernels.by_rows;
   const int64_t tiles = single ? 1 : (m + kernels.max_rows - 1) / kernels.max_rows;
   const int64_t panel_bytes = k * 32, panel_lines = panel_bytes / 64;
   const bool spread = tiles >= 2;
