@@ -5,7 +5,9 @@ shape, and a ~1B one to leave the launch-bound regime):
 
 - single-stream decode tokens/s with CUDA graphs and without (``--enforce-eager``), beside
   the bandwidth ceiling: measured device bandwidth / bytes read per token (every weight
-  once, plus the sequence's KV cache at its mean length);
+  once, plus the sequence's KV cache at its mean length); and with graphs, without
+  asynchronous scheduling and with the split linears' parts added by a second kernel
+  (``LLMSERVE_SPLITK_REDUCE=kernel``), each against the defaults;
 - aggregate decode tokens/s at batch 1, 8, 64 and 256 (all sequences decoding together);
 - prefill tokens/s of one prompt of 512 and of 4096 tokens;
 - greedy output identical batched and alone (16 prompts of 1 to 700 tokens).
@@ -29,8 +31,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.helpers
 
+from llmserve import envs
 from llmserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from llmserve.engine.core import EngineCore
+from llmserve.layers import triton_ops
 from llmserve.sampling_params import SamplingParams
 
 SMOLLM2_135M = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -84,13 +88,15 @@ def build_model_dir(path: Path, shape: dict, tokenizer_dir: Path | None, seed: i
 
 
 def engine(model: Path, device: str, eager: bool, *, max_num_seqs: int = 256,
-           prefix_caching: bool = False, kv_gib: float = 8.0) -> EngineCore:
+           prefix_caching: bool = False, kv_gib: float = 8.0,
+           async_scheduling: bool | None = None) -> EngineCore:
     return EngineCore(EngineConfig(
         model=ModelConfig(str(model), device, max_model_len=8192, quantization="none",
                           dtype="bfloat16" if device != "cpu" else "float32",
                           enforce_eager=eager),
         cache=CacheConfig(kv_cache_memory_gib=kv_gib, enable_prefix_caching=prefix_caching),
-        scheduler=SchedulerConfig(max_num_batched_tokens=16384, max_num_seqs=max_num_seqs)))
+        scheduler=SchedulerConfig(max_num_batched_tokens=16384, max_num_seqs=max_num_seqs,
+                                  async_scheduling=async_scheduling)))
 
 
 def sync(device: str) -> None:
@@ -247,16 +253,27 @@ def bench_model(name: str, path: Path, params: int, device: str, bw: float, quic
     res: dict = {"model": name, "parameters": params}
     decode_len = 32 if quick else 256
     prompt = [rng.randrange(17, VOCAB) for _ in range(128)]
-    for eager in (True, False):
-        core = engine(path, device, eager)
+    # Single stream in each mode; the last (the defaults) goes on to the other figures.
+    modes = [("eager", {"eager": True}),
+             ("graphs_sync", {"eager": False, "async_scheduling": False}),
+             ("graphs_splitk_kernel", {"eager": False, "splitk": "kernel"}),
+             ("graphs", {"eager": False})]
+    for mode, opts in modes:
+        eager = opts["eager"]
+        triton_ops.SPLITK_REDUCE = opts.get("splitk", envs.LLMSERVE_SPLITK_REDUCE)
+        core = engine(path, device, eager, async_scheduling=opts.get("async_scheduling"))
         if not eager:
-            res["graph_capture_s"] = core.runner.graphs.capture_seconds if core.runner.graphs \
-                else None
+            res[f"graph_capture_s_{mode}"] = core.runner.graphs.capture_seconds \
+                if core.runner.graphs else None
         run_batch(core, [prompt], 8, device, "warm")
-        single = run_batch(core, [prompt], decode_len, device, f"single-{eager}")
-        res["single_eager" if eager else "single_graphs"] = single["decode_tok_s"]
-        res["tokens_eager" if eager else "tokens_graphs"] = single["tokens"][0]
-        if eager:
+        single = run_batch(core, [prompt], decode_len, device, f"single-{mode}")
+        res[f"single_{mode}"] = single["decode_tok_s"]
+        res[f"tokens_{mode}"] = single["tokens"][0]
+        res[f"steps_ahead_{mode}"] = core.steps_ahead
+        print(f"  {name} single stream, {mode}: {single['decode_tok_s']:.0f} tok/s", flush=True)
+        if mode != "graphs":
+            if not eager:
+                res[f"gpu_step_ms_{mode}"] = replay_ms(core, device)
             del core
             continue
         res["step_ms"] = 1e3 / single["decode_tok_s"]
@@ -286,7 +303,9 @@ def bench_model(name: str, path: Path, params: int, device: str, bw: float, quic
         res["batched_equals_alone"] = together == alone
         res["graph_replays"] = core.runner.graphs.replays if core.runner.graphs else 0
         del core
-    res["graphs_equal_eager"] = res.pop("tokens_eager") == res.pop("tokens_graphs")
+    triton_ops.SPLITK_REDUCE = envs.LLMSERVE_SPLITK_REDUCE
+    tokens = [res.pop(f"tokens_{mode}") for mode, _ in modes]
+    res["graphs_equal_eager"] = all(t == tokens[0] for t in tokens)  # every mode
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
     return res
@@ -347,6 +366,15 @@ def main() -> None:
               f"({r['gpu_step_ms'] or float('nan'):.2f}) | {r['ceiling_tok_s']:.0f} | "
               f"{r['fraction_of_ceiling']:.0%} | {agg} | {pre} | "
               f"{r['batched_equals_alone']} (graphs = eager: {r['graphs_equal_eager']}) |")
+    for r in results["models"]:
+        ms = [r.get(k) or float("nan") for k in ("gpu_step_ms_graphs_sync", "gpu_step_ms",
+                                                   "gpu_step_ms_graphs_splitk_kernel")]
+        print(f"{r['model']}, 1 stream with graphs: async scheduling off / on "
+              f"{r['single_graphs_sync']:.0f} / {r['single_graphs']:.0f} tok/s "
+              f"({r['single_graphs'] / r['single_graphs_sync']:.2f}x); split-K parts added "
+              f"by a second kernel / in the linear {r['single_graphs_splitk_kernel']:.0f} / "
+              f"{r['single_graphs']:.0f} tok/s; graph replay ms {ms[0]:.3f} / {ms[1]:.3f}, "
+              f"second kernel {ms[2]:.3f}")
 
 
 if __name__ == "__main__":

@@ -170,6 +170,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",
                    help="admission order: first come first served, or by request priority "
                         "(lower first; then arrival)")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="plan each decode step while the one before runs on the device "
+                        "(default: on with CUDA; off on CPU, where steps cannot overlap)")
     p.add_argument("--seed", type=int, default=0, help="engine seed")
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, as JSON like vLLM\'s: {"method": "ngram", '
@@ -209,7 +212,8 @@ def _engine_config(args: argparse.Namespace):
                           kv_cache_dtype=args.kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_num_seqs=args.max_num_seqs, scheduling=args.scheduling,
-                                  policy=args.scheduling_policy),
+                                  policy=args.scheduling_policy,
+                                  async_scheduling=args.async_scheduling),
         seed=args.seed, speculative=speculative)
 
 

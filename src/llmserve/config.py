@@ -103,8 +103,15 @@ class SchedulerConfig:
     scheduling: str = "continuous"
     policy: str = "fcfs"
     enable_chunked_prefill: bool = True
+    # Plan a decode step while the one before runs, its input tokens read from the step
+    # before's samples on the device (None: on with CUDA; on a CPU a step's host work cannot
+    # overlap its kernels, so off).
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
+        if self.async_scheduling not in (None, True, False):
+            raise ValueError(f"async_scheduling must be true, false or null, got "
+                             f"{self.async_scheduling!r}")
         if self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1, "
                              f"got {self.max_num_batched_tokens}")
@@ -209,6 +216,12 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     seed: int = 0
     speculative: SpeculativeConfig | None = None
+
+    def __post_init__(self) -> None:
+        if self.scheduler.async_scheduling and self.speculative is not None:
+            raise ValueError("async_scheduling cannot be combined with speculative decoding: "
+                             "a step's proposals need the tokens of the step before; turn "
+                             "one of them off")
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,12 @@ LLMSERVE_CPU_KERNELS: bool = os.environ.get("LLMSERVE_CPU_KERNELS", "1") != "0"
 # "0" turns the layers' Triton kernels on CUDA off (layers/triton_ops.py): PyTorch's ops
 # run instead, cuBLAS among them, and greedy output may then depend on the batch.
 LLMSERVE_GPU_KERNELS: bool = os.environ.get("LLMSERVE_GPU_KERNELS", "1") != "0"
+# How the Triton linear kernel adds the parts of a weight split over its inputs: "fused" (the
+# last program of each output tile adds them, one launch) or "kernel" (a second kernel does;
+# the same sums in the same order, so the same bits: a comparison on the GPU).
+LLMSERVE_SPLITK_REDUCE: str = os.environ.get("LLMSERVE_SPLITK_REDUCE", "fused")
+if LLMSERVE_SPLITK_REDUCE not in ("fused", "kernel"):
+    raise ValueError(f"LLMSERVE_SPLITK_REDUCE={LLMSERVE_SPLITK_REDUCE!r}: 'fused' or 'kernel'")
 # The instruction set the compiled CPU kernels are built for: "native" (this CPU's own, the
 # default), "avx2" (x86-64-v3: AVX2 and FMA, no AVX-512, no VNNI: the portable kernels, as
 # AMD Zen 2/3 run them) or "baseline" (x86-64-v2: no AVX; the integer formats then fall back

@@ -15,6 +15,7 @@ import torch
 from llmserve import LLM, SamplingParams
 from llmserve.models.loader import load_model
 from llmserve.runner.scoring import sequence_logits
+from tests.model.test_async_scheduling import check_async_equals_sync
 from tests.model.test_batch_equivalence import _check_equivalence, _workload
 
 pytestmark = pytest.mark.cuda
@@ -79,3 +80,16 @@ def test_seeded_sampling_is_reproducible_on_cuda(tiny_model_dir):
     first = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     again = [o.outputs[0].token_ids for o in llm.generate(prompts[::-1], params)][::-1]
     assert first == again
+
+
+@pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
+def test_async_scheduling_gives_the_synchronous_output_on_cuda(tiny_model_dir, eager):
+    """Steps launched ahead read their input tokens from the step before's samples on the
+    device (inside the graph's inputs when replayed): the same output as without."""
+    path, _ = tiny_model_dir("llama-gqa")
+    llm = check_async_equals_sync(str(path), device="cuda", dtype="bfloat16",
+                                  enforce_eager=eager)
+    graphs = llm.engine.runner.graphs
+    assert (graphs is None) == eager
+    if graphs is not None:
+        assert graphs.replays > 0

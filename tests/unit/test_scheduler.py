@@ -9,7 +9,7 @@ from llmserve.engine.request import Request, RequestStatus
 from llmserve.kv_cache import KVCacheManager
 from llmserve.sampling_params import SamplingParams
 from llmserve.scheduler import Scheduler, SchedulerOutput
-from llmserve.scheduler.output import ModelRunnerOutput
+from llmserve.scheduler.output import PENDING_TOKEN, ModelRunnerOutput
 
 BLOCK = 4
 
@@ -257,3 +257,91 @@ def test_stats_report_running_waiting_and_blocks():
     assert st.kv_blocks_used == 2 and st.kv_blocks_total == 64
     assert st.num_scheduled_tokens == 6 and st.num_scheduled_seqs == 1
     run(s, r)
+
+
+# ---- asynchronous scheduling: the step after, planned before this one's tokens are read ----
+
+
+def _decoding(s: Scheduler, r: FakeRunner, *requests: Request) -> None:
+    for q in requests:
+        s.add_request(q)
+    while any(q.num_output_tokens == 0 for q in requests):
+        step(s, r)
+
+
+def test_schedule_next_decodes_the_pending_tokens_and_admits_the_queue():
+    s, r = make(budget=16)
+    a, b = req("a", 5, max_tokens=10), req("b", 3, max_tokens=10)
+    _decoding(s, r, a, b)
+    now = s.schedule()
+    nxt = s.schedule_next(now)
+    assert nxt is not None
+    assert [(x.request_id, x.token_ids, x.input_from_row) for x in nxt.scheduled] == [
+        ("a", [PENDING_TOKEN], 0), ("b", [PENDING_TOKEN], 1)]
+    assert [x.start_pos for x in nxt.scheduled] == [x.start_pos + 1 for x in now.scheduled]
+    s.kv.check_integrity()
+    s.add_request(req("c", 20, max_tokens=3))  # arrives while `now` runs
+    s.update(now, r.execute(now))
+    after = s.schedule_next(nxt)
+    assert after is not None and [x.request_id for x in after.scheduled] == ["a", "b", "c"]
+    assert after.scheduled[2].input_from_row is None and after.scheduled[2].num_tokens == 14
+    s.update(nxt, r.execute(nxt))
+    s.update(after, r.execute(after))
+    assert a.output_token_ids == [1005, 1006, 1007, 1008]  # one per position, in order
+    run(s, r)
+
+
+def test_schedule_next_leaves_out_a_request_its_length_ends():
+    s, r = make()
+    a, b = req("a", 4, max_tokens=2), req("b", 4, max_tokens=8)
+    _decoding(s, r, a, b)
+    now = s.schedule()  # a's second and last token
+    nxt = s.schedule_next(now)
+    assert [x.request_id for x in nxt.scheduled] == ["b"]
+    s.update(now, r.execute(now))
+    assert a.is_finished
+    s.update(nxt, r.execute(nxt))
+    run(s, r)
+
+
+def test_schedule_next_drops_a_stopped_request_s_token():
+    s, r = make()
+    a = req("a", 4, max_tokens=8)
+    _decoding(s, r, a)
+    now = s.schedule()
+    nxt = s.schedule_next(now)
+    s.update(now, ModelRunnerOutput({"a": [7]}))
+    a.status = RequestStatus.FINISHED_STOPPED  # as a stop token would
+    s.running.remove(a)
+    s._release(a)
+    assert s.update(nxt, r.execute(nxt)) == []
+    assert s.kv.num_free_blocks == s.kv.num_blocks
+    s.kv.check_integrity()
+
+
+@pytest.mark.parametrize("case", ["penalty", "min_tokens", "unscheduled", "no_blocks",
+                                  "prefill", "static"])
+def test_schedule_next_declines(case):
+    """None, and nothing changed, where the step after needs this one's tokens on the host
+    or would have to preempt."""
+    kw = {"scheduling": "static"} if case == "static" else {}
+    s, r = make(num_blocks=3 if case == "no_blocks" else 64, budget=6, **kw)
+    a = req("a", 4, max_tokens=8)
+    if case in ("penalty", "min_tokens"):
+        extra = {"frequency_penalty": 0.5} if case == "penalty" else {"min_tokens": 2}
+        a = Request("a", list(range(4)), SamplingParams(max_tokens=8, temperature=0, **extra),
+                    max_tokens=8)
+    _decoding(s, r, a)
+    if case == "unscheduled":
+        s.add_request(req("b", 30))
+        step(s, r)  # b's first chunk: a decodes, b prefills past this step
+    if case == "no_blocks":
+        while a.num_tokens % BLOCK:
+            step(s, r)  # a's next token needs a block: 2 of 3 held, the third taken below
+        s.kv.pool.get_new_blocks(1)
+    if case == "prefill":
+        s.add_request(req("b", 30))
+    now = s.schedule()
+    before = (a.num_computed_tokens, s.kv.num_free_blocks)
+    assert s.schedule_next(now) is None
+    assert (a.num_computed_tokens, s.kv.num_free_blocks) == before

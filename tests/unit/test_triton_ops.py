@@ -56,6 +56,50 @@ def test_linear_gives_each_row_the_same_bits_in_any_batch(dtype):
         assert torch.equal(triton_ops.linear(x[rows], w), together[rows]), rows
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,k", [(64, 1024), (192, 2048), (100, 1100)])
+def test_split_linear_sums_its_parts_in_one_launch_with_the_same_bits(dtype, n, k, monkeypatch):
+    """The last program of each output tile adds the parts, in the order of the second
+    kernel (LLMSERVE_SPLITK_REDUCE=kernel): the same bits, and its counters back at 0."""
+    assert triton_ops.linear_config(n, k)[3] > 1
+    w = randn(n, k, dtype=dtype, seed=4)
+    for m in (1, 3, 17, 70):  # 70 rows: two tiles of rows, and tiles of counters
+        x = randn(m, k, dtype=dtype, seed=5 + m)
+        monkeypatch.setattr(triton_ops, "SPLITK_REDUCE", "fused")
+        fused = triton_ops.linear(x, w)
+        monkeypatch.setattr(triton_ops, "SPLITK_REDUCE", "kernel")
+        two_kernels = triton_ops.linear(x, w)
+        assert torch.equal(fused, two_kernels), m
+        tol = 2e-3 if dtype == torch.float32 else 1e-2
+        assert rel_err(fused, x.double() @ w.double().T) < tol
+        for counters in triton_ops._COUNTERS[x.device]:
+            assert not counters.any()
+
+
+def test_split_linear_counters_grow_and_keep_their_predecessors():
+    """A call of more tiles than the counters hold grows them (zeroed); the old buffer is
+    kept, since a captured CUDA graph may still count in it."""
+    w = randn(64, 1024, seed=6)
+    x = randn(1, 1024, seed=7)
+    key = x.device
+    before = list(triton_ops._COUNTERS.get(key, []))
+    try:
+        triton_ops._COUNTERS[key] = [torch.zeros(1, dtype=torch.int32, device=DEVICE)]
+        small = triton_ops._COUNTERS[key][0]
+        out = triton_ops.linear(x, w)  # one tile of rows, one of columns: fits
+        assert triton_ops._COUNTERS[key] == [small]
+        x2 = torch.cat([x, randn(64, 1024, seed=8)])  # two tiles of rows
+        out2 = triton_ops.linear(x2, w)
+        grown = triton_ops._COUNTERS[key]
+        assert len(grown) == 2 and grown[0] is small
+        assert grown[1].numel() >= triton_ops._MIN_COUNTERS and not grown[1].any()
+        assert not small.any()
+        assert torch.equal(out2[:1], out)
+        assert rel_err(out2, x2.double() @ w.double().T) < 2e-3
+    finally:
+        triton_ops._COUNTERS[key] = before
+
+
 def test_linear_config_depends_on_the_weight_alone():
     assert triton_ops.linear_config(49152, 2048) == (64, 128, 128, 1)  # 384 output tiles
     assert triton_ops.linear_config(2048, 8192) == (64, 64, 128, 8)  # 32 tiles x 8 parts

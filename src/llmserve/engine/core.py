@@ -25,8 +25,9 @@ from llmserve.logger import get_logger
 from llmserve.models.loader import LoadedModel, load_model
 from llmserve.runner import ModelRunner
 from llmserve.runner.cuda_graphs import MAX_CONTEXT as MAX_GRAPH_CONTEXT
+from llmserve.runner.model_runner import StepHandle
 from llmserve.sampling_params import SamplingParams
-from llmserve.scheduler import Scheduler, SchedulerStats
+from llmserve.scheduler import Scheduler, SchedulerOutput, SchedulerStats
 from llmserve.structured_output import GrammarBackend
 
 logger = get_logger(__name__)
@@ -100,6 +101,12 @@ class EngineCore:
         self.speculator = None
         if config.speculative is not None:
             self.speculator = self._build_speculator(config)
+        asked = config.scheduler.async_scheduling
+        self.async_scheduling = (self.runner.device.type == "cuda" if asked is None
+                                 else asked) and self.speculator is None
+        # The step launched ahead (async scheduling): its schedule and handle.
+        self._ahead: tuple[SchedulerOutput, StepHandle] | None = None
+        self.steps_ahead = 0  # steps launched ahead (tests, benchmarks)
 
     def _build_speculator(self, config: EngineConfig):
         from llmserve.spec_decode import Speculator, StepCost, build_proposer
@@ -182,11 +189,25 @@ class EngineCore:
         return bool(ended)
 
     def step(self) -> list[EngineCoreOutput]:
+        """Run one step and return what it produced.
+
+        With asynchronous scheduling the step after is planned and launched before this
+        one's tokens are read (``Scheduler.schedule_next``), so the device runs it while the
+        host reads, updates and answers for this one; the next call then reads that step."""
         start = time.perf_counter()
-        if self.speculator is not None:
-            self.speculator.prepare(self.scheduler.running, self.scheduler.waiting)
-        sched = self.scheduler.schedule()
-        result = self.runner.execute(sched)
+        if self._ahead is not None:
+            (sched, handle), self._ahead = self._ahead, None
+        else:
+            if self.speculator is not None:
+                self.speculator.prepare(self.scheduler.running, self.scheduler.waiting)
+            sched = self.scheduler.schedule()
+            handle = self.runner.launch(sched)
+        if self.async_scheduling:
+            nxt = self.scheduler.schedule_next(sched)
+            if nxt is not None:
+                self._ahead = (nxt, self.runner.launch(nxt, prev=handle))
+                self.steps_ahead += 1
+        result = handle.result()
         changed = self.scheduler.update(sched, result)
         if self.speculator is not None:
             self.speculator.observe(sched, result, time.perf_counter() - start)
@@ -216,7 +237,8 @@ class EngineCore:
             del self._families[r.parent_id]
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Requests not finished, or a step launched ahead not read yet."""
+        return self.scheduler.has_unfinished() or self._ahead is not None
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()

@@ -36,6 +36,7 @@ class LLM:
                  int4_group_size: int = 32, kv_cache_dtype: str = "auto",
                  enforce_eager: bool = False,
                  hybrid_kv_cache: bool = True,
+                 async_scheduling: bool | None = None,
                  speculative_config: dict[str, Any] | SpeculativeConfig | None = None) -> None:
         if speculative_config is not None and not isinstance(speculative_config,
                                                              SpeculativeConfig):
@@ -52,7 +53,8 @@ class LLM:
             scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
                                       max_num_seqs=max_num_seqs, scheduling=scheduling,
                                       policy=policy,
-                                      enable_chunked_prefill=enable_chunked_prefill),
+                                      enable_chunked_prefill=enable_chunked_prefill,
+                                      async_scheduling=async_scheduling),
             seed=seed,
             speculative=speculative_config,
         )

@@ -14,6 +14,13 @@ Two reasons to write them rather than call PyTorch:
   float cast, the rotary's halves, the residual add and the norm apart); a decode step of
   a small model is bound by them. Here a layer takes about 10.
 
+A linear whose weight is split over its inputs (split-K, see ``linear_config``) adds its
+parts in the same launch: the last program to finish an output tile adds the tile's parts
+(see ``_linear_kernel``). ``LLMSERVE_SPLITK_REDUCE=kernel`` (read once, at import) brings
+back the second launch, ``_sum_splits_kernel``, that adds them instead; both add the same
+float32 parts in the same order, so they give the same bits, and the switch is there to
+compare them (bits and time) on a GPU.
+
 Each function takes and returns tensors in the activations' dtype (bfloat16, float16 or
 float32) and computes in float32. They run on CUDA tensors, or on CPU tensors under
 Triton's interpreter (``TRITON_INTERPRET=1``), where the tests check them against
@@ -29,21 +36,32 @@ import torch
 import triton
 import triton.language as tl
 
+from llmserve import envs
+
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 _SMS = 132  # streaming multiprocessors of an H100/H200: enough tiles to fill them
 _TILES_PER_SM = 2  # split-K target: tiles per multiprocessor on a decode
 _LINEAR_WARPS, _LINEAR_STAGES = 4, 3
+# How the parts of a split linear are added (envs.LLMSERVE_SPLITK_REDUCE); read at call
+# time from this module's global, so that tests can switch it.
+SPLITK_REDUCE = envs.LLMSERVE_SPLITK_REDUCE
+_MIN_COUNTERS = 1 << 16  # 256 KiB: every decode and a prefill of 8192 rows x 128 tiles
 
 
 @triton.jit(do_not_specialize=["M"])
-def _linear_kernel(a_ptr, w_ptr, c_ptr, part_ptr, M, N, K, k_per_split, stride_am,
-                   stride_wn, stride_cm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr):
+def _linear_kernel(a_ptr, w_ptr, c_ptr, part_ptr, count_ptr, M, N, K, k_per_split,
+                   stride_am, stride_wn, stride_cm, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr,
+                   FUSED: tl.constexpr, UPCAST: tl.constexpr):
     """C [M, N] = A [M, K] @ W [N, K]^T: float32 sums over K in tiles of BLOCK_K, in order.
-    With SPLIT, program (., ., s) sums inputs [s * k_per_split, (s + 1) * k_per_split)
-    into partials [S, M, N] (float32) that ``_sum_splits_kernel`` adds in order."""
-    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    With SPLITS > 1, program (., ., s) sums inputs [s * k_per_split, (s + 1) * k_per_split)
+    into partials [S, M, N] (float32); ``_sum_splits_kernel`` adds them in order, or with
+    FUSED the last program to finish the output tile does, as that kernel would: it counts
+    the tile's finished parts in ``count_ptr[tile]`` (int32, 0 before the launch and left
+    at 0 after it)."""
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     split = tl.program_id(2)
     k_lo = split * k_per_split
     k_hi = tl.minimum(K, k_lo + k_per_split)
@@ -60,8 +78,24 @@ def _linear_kernel(a_ptr, w_ptr, c_ptr, part_ptr, M, N, K, k_per_split, stride_a
             w = w.to(tl.float32)
         acc = tl.dot(a, w, acc)
     ok = (rm[:, None] < M) & (rn[None, :] < N)
-    if SPLIT:
-        tl.store(part_ptr + split * M * N + rm[:, None] * N + rn[None, :], acc, mask=ok)
+    if SPLITS > 1:
+        parts = part_ptr + rm[:, None] * N + rn[None, :]
+        tl.store(parts + split * M * N, acc, mask=ok)
+        if FUSED:
+            # Every thread's stores are issued before the one thread of the scalar atomic
+            # releases them (GPU scope) with its increment; the program that sees the last
+            # count acquires them all, then reads them from L2 (.cg: never a stale L1 line).
+            tl.debug_barrier()
+            tile = pid_m * tl.num_programs(1) + pid_n
+            done = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+            if done == SPLITS - 1:
+                total = tl.load(parts, mask=ok, other=0.0, cache_modifier=".cg")
+                for s in tl.static_range(1, SPLITS):  # the order of _sum_splits_kernel
+                    total += tl.load(parts + s * M * N, mask=ok, other=0.0,
+                                     cache_modifier=".cg")
+                tl.store(c_ptr + rm[:, None] * stride_cm + rn[None, :],
+                         total.to(c_ptr.dtype.element_ty), mask=ok)
+                tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")  # next call
     else:
         tl.store(c_ptr + rm[:, None] * stride_cm + rn[None, :],
                  acc.to(c_ptr.dtype.element_ty), mask=ok)
@@ -87,7 +121,11 @@ def linear_config(n: int, k: int) -> tuple[int, int, int, int]:
     streams the weight, so a weight of fewer output tiles than multiprocessors is also split
     over its inputs (split-K: a fixed number of parts, added in order) into about two tiles
     per multiprocessor. The price: a prefill of M rows writes and reads M x N float32
-    partials per part."""
+    partials per part. The parts are added in the linear's own launch by the last program to
+    finish each output tile (one launch fewer per split linear: on a decode the sums are
+    tiny, and their launches and the gaps between kernels cost more than the additions), in
+    the order of ``_sum_splits_kernel``, the second launch that ``LLMSERVE_SPLITK_REDUCE=
+    kernel`` keeps: the same float32 additions in the same order, so the same bits."""
     block_k = 128 if k >= 128 else max(16, triton.next_power_of_2(k))
     block_n = 128 if n >= 2 * _SMS * 128 else 64
     tiles = triton.cdiv(n, block_n)
@@ -97,6 +135,28 @@ def linear_config(n: int, k: int) -> tuple[int, int, int, int]:
     splits = min(k_tiles, triton.cdiv(_TILES_PER_SM * _SMS, tiles))
     splits = triton.cdiv(k_tiles, triton.cdiv(k_tiles, splits))  # no empty part
     return 64, block_n, block_k, splits
+
+
+_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """The split linears' per-tile counters on ``device``: int32 zeros, shared by every call
+    (calls on one stream run one after another, and each leaves its counters at 0; two
+    streams must not run split linears at once). Allocated generously on first use and grown
+    when a call needs more; never while a CUDA graph is captured (the zeroing would be a
+    memset in the graph), so a warm-up before a capture must run every shape first. A grown
+    buffer's predecessors stay alive: a captured graph may still count in them."""
+    buffers = _COUNTERS.setdefault(device, [])
+    if not buffers or buffers[-1].numel() < tiles:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"linear: {tiles} split-K tile counters needed on {device} during CUDA graph "
+                "capture, but they can only be allocated outside it: run the same shapes "
+                "once before capturing")
+        size = max(tiles, _MIN_COUNTERS, 2 * buffers[-1].numel() if buffers else 0)
+        buffers.append(torch.zeros(size, dtype=torch.int32, device=device))
+    return buffers[-1]
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -111,13 +171,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return out
     bm, bn, bk, splits = linear_config(n, k)
     k_per_split = triton.cdiv(triton.cdiv(k, bk), splits) * bk
+    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), splits)
+    fused = splits > 1 and SPLITK_REDUCE == "fused"
     part = (torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if splits > 1
             else out)
-    _linear_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn), splits)](
-        x, weight, out, part, m, n, k, k_per_split, x.stride(0), weight.stride(0),
-        out.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=splits > 1,
+    counters = _tile_counters(x.device, grid[0] * grid[1]) if fused else out
+    _linear_kernel[grid](
+        x, weight, out, part, counters, m, n, k, k_per_split, x.stride(0), weight.stride(0),
+        out.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLITS=splits, FUSED=fused,
         UPCAST=INTERPRETED, num_warps=_LINEAR_WARPS, num_stages=_LINEAR_STAGES)
-    if splits > 1:
+    if splits > 1 and not fused:
         block = 1024
         _sum_splits_kernel[(triton.cdiv(m * n, block),)](
             part, out, m, n, out.stride(0), SPLITS=splits, BLOCK=block)

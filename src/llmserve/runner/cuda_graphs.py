@@ -12,7 +12,9 @@ sequences replays the smallest graph of at least B, with the rows past B padded:
   and its grid covers every segment of the longest context captured (``MAX_CONTEXT``
   tokens at most: the attention's partials grow with it; longer contexts decode eagerly);
 - a step's inputs go from pinned host buffers in asynchronous copies, and the next step
-  waits for those copies before it writes the buffers again.
+  waits for those copies before it writes the buffers again;
+- with asynchronous scheduling, input tokens the step before sampled are copied on the
+  device from its sampled ids into the graph's input before the replay.
 
 Steps with a prefill chunk or speculative drafts run eagerly (``--enforce-eager``: every
 step). The same kernels run in both, with the same arithmetic per row, so a sequence's
@@ -62,6 +64,9 @@ class DecodeGraphs:
         self.slots = torch.full((groups, max_batch), scratch_slot, dtype=torch.int64, device=dev)
         self.tables = torch.zeros(groups, max_batch, width, dtype=torch.int64, device=dev)
         self.seq_lens = torch.ones(max_batch, dtype=torch.int32, device=dev)
+        # Asynchronous scheduling: (row, row of the step before) of each input token the
+        # step before sampled and the host has not read.
+        self.fill_rows = torch.zeros(2, max_batch, dtype=torch.int64, device=dev)
         # Pinned host copies: each step's inputs go over in asynchronous copies (the block
         # tables flat, so that a step's rows are one contiguous source).
         self._host = {name: torch.empty_like(t, device="cpu").pin_memory()
@@ -109,9 +114,12 @@ class DecodeGraphs:
                 and table_width <= self.tables.shape[2])
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-            tables: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
+            tables: torch.Tensor, seq_lens: list[int],
+            fill: tuple[list[tuple[int, int]], torch.Tensor] | None = None) -> torch.Tensor:
         """Hidden states [B, hidden] of a decode step: ``input_ids``, ``positions`` [B],
-        ``slots`` [G, B], ``tables`` [G, B, width] (host or device tensors)."""
+        ``slots`` [G, B], ``tables`` [G, B, width] (host or device tensors). ``fill``: the
+        (row, row of the step before) of input tokens to take from the step before's
+        sampled ids (a device tensor), in place of the placeholders in ``input_ids``."""
         size = len(seq_lens)
         bucket = next(b for b in self.buckets if b >= size)
         graph, hidden, _ = self._graphs[bucket]
@@ -135,6 +143,13 @@ class DecodeGraphs:
             static[name][:bucket].copy_(host[name][:bucket], non_blocking=True)
         self.slots[:, :bucket].copy_(host["slots"][:, :bucket], non_blocking=True)
         self.tables[:, :size, :width].copy_(rows, non_blocking=True)
+        if fill is not None:
+            pending, sampled = fill
+            n = len(pending)
+            host["fill_rows"][:, :n] = torch.tensor(pending, dtype=torch.int64).T
+            self.fill_rows[:, :n].copy_(host["fill_rows"][:, :n], non_blocking=True)
+            self.input_ids.index_copy_(0, self.fill_rows[0, :n],
+                                       sampled.index_select(0, self.fill_rows[1, :n]))
         self._copied.record()
         graph.replay()
         self.replays += 1
@@ -142,7 +157,7 @@ class DecodeGraphs:
 
     def _static(self) -> dict[str, torch.Tensor]:
         return {"input_ids": self.input_ids, "positions": self.positions, "slots": self.slots,
-                "tables": self.tables, "seq_lens": self.seq_lens}
+                "tables": self.tables, "seq_lens": self.seq_lens, "fill_rows": self.fill_rows}
 
     def _context(self, size: int) -> AttentionContext:
         runner = self.runner

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -29,7 +29,7 @@ from llmserve.attention.backend import BatchLayout
 from llmserve.models.arch_config import ArchConfig
 from llmserve.runner.cuda_graphs import DecodeGraphs
 from llmserve.sample import Sampler
-from llmserve.sample.ops import apply_token_bitmask, topk_logprobs
+from llmserve.sample.ops import apply_token_bitmask, to_device, topk_logprobs
 from llmserve.sample.sampler import SamplingRow
 from llmserve.scheduler.output import (
     ModelRunnerOutput,
@@ -38,6 +38,23 @@ from llmserve.scheduler.output import (
     TokenLogprobs,
 )
 from llmserve.structured_output import GrammarBackend
+
+
+class StepHandle:
+    """A launched step: ``token_ids`` its sampled ids on the device, one per sampling row in
+    schedule order (None if it samples nothing); ``result()`` its output (waits for it)."""
+
+    def __init__(self, token_ids: torch.Tensor | None,
+                 finish: Callable[[], ModelRunnerOutput]) -> None:
+        self.token_ids = token_ids
+        self._finish: Callable[[], ModelRunnerOutput] | None = finish
+        self._out: ModelRunnerOutput | None = None
+
+    def result(self) -> ModelRunnerOutput:
+        if self._finish is not None:
+            self._out, self._finish = self._finish(), None
+        assert self._out is not None
+        return self._out
 
 
 class ModelRunner:
@@ -94,37 +111,53 @@ class ModelRunner:
         self.graphs = graphs
         return graphs
 
-    @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        """Run the step and return what it sampled."""
+        return self.launch(sched).result()
+
+    @torch.inference_mode()
+    def launch(self, sched: SchedulerOutput, prev: StepHandle | None = None) -> StepHandle:
+        """Start the step; its sampled tokens are read when the handle's ``result()`` is
+        called. On a GPU nothing here waits for the device (unless the step has prompt
+        logprobs), so the host can plan and launch the next step meanwhile. ``prev``: the
+        step before, whose sampled ids feed this step's ``input_from_row`` tokens."""
         for rid in sched.finished_req_ids:
             self._seeds.pop(rid, None)
         if self.grammar is not None:
             for rid in sched.finished_req_ids:
                 self.grammar.free(rid)
         if sched.is_empty:
-            return ModelRunnerOutput()
+            return StepHandle(None, ModelRunnerOutput)
         sampling = [(i, s) for i, s in enumerate(sched.scheduled) if s.sample]
         constrained = [s for _, s in sampling if s.sampling_params.structured_outputs]
         masks = None
         if constrained:
             assert self.grammar is not None, "structured outputs need a GrammarBackend"
             masks = self.grammar.submit(constrained)  # computed while the model runs
-        hidden, ends = self._forward(sched)
+        hidden, ends = self._forward(sched, prev)
         out = ModelRunnerOutput()
-        if sampling:
-            # k + 1 rows per request with k drafts: its last known token, then each draft.
-            row_ids = [ends[i] - s.num_draft_tokens + j
-                       for i, s in sampling for j in range(s.num_draft_tokens + 1)]
-            # When every row samples (decodes, verification rows) they are in order: no
-            # gather.
-            at_rows = hidden[row_ids] if len(row_ids) < hidden.shape[0] else hidden
-            logits = self.model.compute_logits(at_rows)
-            if masks is not None:
-                logits = apply_token_bitmask(logits, self._constrained_rows(sampling),
-                                             masks.result())
-            rows = [self._sampling_row(s, j) for _, s in sampling
-                    for j in range(s.num_draft_tokens + 1)]
-            result = self.sampler(logits, rows)
+        for i, s in enumerate(sched.scheduled):
+            if s.sampling_params.prompt_logprobs is not None:
+                entry = self._prompt_logprobs(hidden, ends[i], s)
+                if entry is not None:
+                    out.prompt_logprobs[s.request_id] = entry
+        if not sampling:
+            return StepHandle(None, lambda: out)
+        # k + 1 rows per request with k drafts: its last known token, then each draft.
+        row_ids = [ends[i] - s.num_draft_tokens + j
+                   for i, s in sampling for j in range(s.num_draft_tokens + 1)]
+        # When every row samples (decodes, verification rows) they are in order: no gather.
+        at_rows = hidden[row_ids] if len(row_ids) < hidden.shape[0] else hidden
+        logits = self.model.compute_logits(at_rows)
+        if masks is not None:
+            logits = apply_token_bitmask(logits, self._constrained_rows(sampling),
+                                         masks.result())
+        rows = [self._sampling_row(s, j) for _, s in sampling
+                for j in range(s.num_draft_tokens + 1)]
+        pending = self.sampler.launch(logits, rows)
+
+        def finish() -> ModelRunnerOutput:
+            result = pending.result()
             first = 0
             for _, s in sampling:
                 k = s.num_draft_tokens
@@ -136,12 +169,9 @@ class ModelRunner:
                 if s.sampling_params.logprobs is not None:
                     out.logprobs[s.request_id] = result.logprobs[first:first + len(emitted)]
                 first += k + 1
-        for i, s in enumerate(sched.scheduled):
-            if s.sampling_params.prompt_logprobs is not None:
-                entry = self._prompt_logprobs(hidden, ends[i], s)
-                if entry is not None:
-                    out.prompt_logprobs[s.request_id] = entry
-        return out
+            return out
+
+        return StepHandle(pending.token_ids, finish)
 
     @torch.inference_mode()
     def forward_logits(self, sched: SchedulerOutput) -> torch.Tensor:
@@ -175,19 +205,30 @@ class ModelRunner:
             best = min(best, time.perf_counter() - start)
         return best
 
-    def _forward(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:
+    def _forward(self, sched: SchedulerOutput,
+                 prev: StepHandle | None = None) -> tuple[torch.Tensor, list[int]]:
         """Hidden states [T, hidden] of every scheduled token; ends [B]: row of each
         request's last token."""
         items = sched.scheduled
         query_lens = [s.num_tokens for s in items]
         seq_lens = [s.start_pos + s.num_tokens for s in items]
         input_ids, positions, tables, slots = self._prepare(sched)
+        # Tokens the step before sampled and the host has not read: (row here, row there).
+        pending = [(row, s.input_from_row) for row, s in
+                   zip(itertools.accumulate(query_lens, initial=0), items)
+                   if s.input_from_row is not None]
+        if pending and (prev is None or prev.token_ids is None):
+            raise ValueError("a step with pending input tokens needs the step before's handle")
+        fill = (pending, prev.token_ids) if pending else None
         if self.graphs is not None and self.graphs.fits(query_lens, seq_lens, tables.shape[2]):
-            hidden = self.graphs.run(input_ids, positions, slots, tables, seq_lens)
+            hidden = self.graphs.run(input_ids, positions, slots, tables, seq_lens, fill)
             return hidden, list(range(len(items)))
         dev = self.device
         input_ids, positions, tables, slots = (input_ids.to(dev), positions.to(dev),
                                                tables.to(dev), slots.to(dev))
+        if fill is not None:
+            dst, src = (to_device(dev, rows, torch.int64) for rows in zip(*pending))
+            input_ids[dst] = prev.token_ids[src]
         layouts = [BatchLayout(slot_mapping=slots[g], block_tables=tables[g],
                                positions=positions, query_lens=query_lens, seq_lens=seq_lens,
                                block_size=self.block_size) for g in range(self.num_groups)]

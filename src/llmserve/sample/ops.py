@@ -11,6 +11,16 @@ import torch
 from llmserve.csrc import cpu_ops
 
 
+def to_device(device: torch.device, values: list | tuple, dtype: torch.dtype) -> torch.Tensor:
+    """A small host list as a tensor on ``device``; to a GPU from pinned memory without a
+    wait (a copy from pageable memory waits for every kernel queued before it, which would
+    stall a step launched ahead of the one running)."""
+    t = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """``logits.argmax(dim=1)`` (first index on ties, NaN the largest); float32 rows on CPU
     go through the compiled kernel, ~10x faster than PyTorch's on a vocabulary of 49k."""

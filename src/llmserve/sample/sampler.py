@@ -40,25 +40,54 @@ class SampleResult:
     logprobs: list[tuple[list[int], list[float], int] | None]
 
 
-class Sampler:
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
-        """``logits``: [N, V] float32, one row per entry of ``rows``."""
-        want_lp = [r.params.logprobs is not None for r in rows]
-        raw_logprobs = logits.log_softmax(dim=1) if any(want_lp) else None
-        logits = self._process(logits, rows)
-        greedy = [r.params.greedy for r in rows]
-        chosen = ops.argmax(logits) if all(greedy) else self._sample(logits, rows, greedy)
-        token_ids = chosen.tolist()
-        logprobs: list = [None] * len(rows)
-        if raw_logprobs is not None:
-            k = max(r.params.logprobs or 0 for r in rows)
-            ids, lps, ranks = ops.topk_logprobs(raw_logprobs, chosen, k)
-            ids, lps, ranks = ids.tolist(), lps.tolist(), ranks.tolist()
-            for i, r in enumerate(rows):
-                if want_lp[i]:
+class PendingSample:
+    """A step's samples on the device, on their way to the host: ``token_ids`` [N] stays on
+    the device (the next step may read it there); ``result()`` waits for the copies."""
+
+    def __init__(self, token_ids: torch.Tensor, rows: list[SamplingRow],
+                 logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> None:
+        self.token_ids = token_ids
+        self._rows = rows
+        # Copies started now, behind this step's kernels and ahead of anything launched
+        # later: reading them waits for this step alone.
+        self._host = [t.to("cpu", non_blocking=True) for t in (token_ids, *(logprobs or ()))]
+        self._copied = None
+        if token_ids.device.type == "cuda":
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+
+    def result(self) -> SampleResult:
+        if self._copied is not None:
+            self._copied.synchronize()
+        token_ids, *lp = (t.tolist() for t in self._host)
+        logprobs: list = [None] * len(self._rows)
+        if lp:
+            ids, lps, ranks = lp
+            for i, r in enumerate(self._rows):
+                if r.params.logprobs is not None:
                     n = 1 + r.params.logprobs
                     logprobs[i] = (ids[i][:n], lps[i][:n], ranks[i])
         return SampleResult(token_ids, logprobs)
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
+        """``logits``: [N, V] float32, one row per entry of ``rows``."""
+        return self.launch(logits, rows).result()
+
+    def launch(self, logits: torch.Tensor, rows: list[SamplingRow]) -> PendingSample:
+        """Sample on the device without waiting for it (on a GPU nothing here reads back to
+        the host); ``result()`` of the returned object gives the tokens."""
+        want_lp = any(r.params.logprobs is not None for r in rows)
+        raw_logprobs = logits.log_softmax(dim=1) if want_lp else None
+        logits = self._process(logits, rows)
+        greedy = [r.params.greedy for r in rows]
+        chosen = ops.argmax(logits) if all(greedy) else self._sample(logits, rows, greedy)
+        logprobs = None
+        if raw_logprobs is not None:
+            k = max(r.params.logprobs or 0 for r in rows)
+            logprobs = ops.topk_logprobs(raw_logprobs, chosen, k)
+        return PendingSample(chosen, rows, logprobs)
 
     def _process(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         device = logits.device
@@ -66,15 +95,15 @@ class Sampler:
                 for t, b in (r.params.logit_bias or {}).items()]
         if bias:
             idx, tok, val = zip(*bias)
-            logits = ops.apply_logit_bias(logits, torch.tensor(idx, device=device),
-                                          torch.tensor(tok, device=device),
-                                          torch.tensor(val, dtype=logits.dtype, device=device))
+            logits = ops.apply_logit_bias(logits, ops.to_device(device, idx, torch.int64),
+                                          ops.to_device(device, tok, torch.int64),
+                                          ops.to_device(device, val, logits.dtype))
         masked = [(i, t) for i, r in enumerate(rows)
                   if len(r.output_token_ids) < r.params.min_tokens for t in r.stop_ids]
         if masked:
             idx, tok = zip(*masked)
-            logits = ops.mask_tokens(logits, torch.tensor(idx, device=device),
-                                     torch.tensor(tok, device=device))
+            logits = ops.mask_tokens(logits, ops.to_device(device, idx, torch.int64),
+                                     ops.to_device(device, tok, torch.int64))
         if any(r.params.has_penalties for r in rows):
             vocab = logits.shape[1]
             counts = ops.token_counts([r.output_token_ids for r in rows], vocab, device)
@@ -95,17 +124,17 @@ class Sampler:
         device = logits.device
         params = [r.params for r in rows]
         greedy_choice = ops.argmax(logits)
-        temperature = torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)],
-                                   dtype=torch.float32, device=device)
+        temperature = ops.to_device(
+            device, [1.0 if g else p.temperature for p, g in zip(params, greedy)], torch.float32)
         logits = ops.apply_temperature(logits, temperature)
         if any(p.top_k > 0 for p in params):
-            k = torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device)
+            k = ops.to_device(device, [p.top_k for p in params], torch.int64)
             logits = ops.apply_top_k(logits, k)
         if any(p.top_p < 1.0 for p in params):
-            top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
+            top_p = ops.to_device(device, [p.top_p for p in params], torch.float32)
             logits = ops.apply_top_p(logits, top_p)
         if any(p.min_p > 0.0 for p in params):
-            min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)
+            min_p = ops.to_device(device, [p.min_p for p in params], torch.float32)
             logits = ops.apply_min_p(logits, min_p)
         probs = logits.softmax(dim=1)
         chosen = greedy_choice.clone()
@@ -115,7 +144,9 @@ class Sampler:
         return chosen
 
 
-def sample_row(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """One draw from ``probs`` [V] via the exponential race: argmax of p / E, E ~ Exp(1)."""
+def sample_row(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One draw from ``probs`` [V] via the exponential race: argmax of p / E, E ~ Exp(1)
+    (a 0-d tensor on ``probs``' device)."""
     noise = torch.empty_like(probs).exponential_(generator=generator)
-    return int((probs / noise).argmax())
+    return (probs / noise).argmax()
+

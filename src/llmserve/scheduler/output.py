@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from llmserve.sampling_params import SamplingParams
 
+PENDING_TOKEN = -1  # an input token sampled by the step before, not yet read back
+
 
 @dataclass
 class ScheduledRequest:
@@ -14,6 +16,11 @@ class ScheduledRequest:
     With speculative decoding the last ``num_draft_tokens`` of ``token_ids`` are proposals:
     the runner samples at each of them and at the last known token (k + 1 rows) and keeps
     the samples up to the first that differs from the proposal it verifies.
+
+    With asynchronous scheduling a decode may be scheduled before its input token is known
+    on the host: ``token_ids`` is ``[PENDING_TOKEN]`` and ``input_from_row`` the row of the
+    step before whose sample it is (the runner takes it from that step's sampled ids on
+    the device).
     """
 
     request_id: str
@@ -27,6 +34,7 @@ class ScheduledRequest:
     prompt_token_ids: list[int] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
     num_draft_tokens: int = 0
+    input_from_row: int | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -25,7 +25,9 @@ from llmserve.config import SchedulerConfig
 from llmserve.engine.request import Request, RequestStatus
 from llmserve.kv_cache import KVCacheManager
 from llmserve.logger import get_logger
+from llmserve.sampling_params import SamplingParams
 from llmserve.scheduler.output import (
+    PENDING_TOKEN,
     ModelRunnerOutput,
     ScheduledRequest,
     SchedulerOutput,
@@ -33,6 +35,13 @@ from llmserve.scheduler.output import (
 )
 
 logger = get_logger(__name__)
+
+
+def overlappable(params: SamplingParams) -> bool:
+    """Whether a request's next step can be planned before its last token is known: its
+    sampling reads no host copy of its tokens."""
+    return not (params.has_penalties or params.min_tokens > 0
+                or params.structured_outputs is not None)
 
 
 class Scheduler:
@@ -129,9 +138,60 @@ class Scheduler:
             budget -= num_new
             i += 1
 
+        if not out.preempted_req_ids:
+            budget = self._admit(out, budget)
+        return self._close(out, budget)
+
+    def schedule_next(self, prev: SchedulerOutput) -> SchedulerOutput | None:
+        """Asynchronous scheduling: the step after ``prev``, planned while ``prev`` runs and
+        before its sampled tokens are known. Each request ``prev`` sampled for decodes the
+        token ``prev`` samples (``PENDING_TOKEN``, taken from ``prev``'s sampled ids on the
+        device), then waiting requests are admitted as ``schedule`` would.
+
+        None (plan the step after ``prev``'s tokens are read) unless every running request
+        sampled in ``prev`` without drafts and with parameters that need no host copy of its
+        tokens (no penalties, min_tokens or structured outputs), and each fits one more
+        token in its blocks: this never preempts. A request ``prev`` finishes by its length
+        is left out; one that ``prev`` stops by a stop token decodes one token in vain, which
+        ``update`` drops (its KV slot lies past every hashed block: nothing reads it).
+        """
+        if self.static or prev.preempted_req_ids or not prev.scheduled:
+            return None
+        rows = {item.request_id: row for row, item in enumerate(prev.scheduled)}
+        if any(item.num_draft_tokens or not item.sample for item in prev.scheduled) or \
+                any(r.request_id not in rows or r.draft_token_ids
+                    or not overlappable(r.sampling_params) for r in self.running):
+            return None
+        # Those that sample once more; prev's token is their (num_output_tokens + 1)-th.
+        going = [r for r in self.running if r.num_output_tokens + 1 < r.max_tokens]
+        budget = self.config.max_num_batched_tokens
+        if not going or len(going) > budget:
+            return None
+        for req in going:  # allocating again later is a no-op: no rollback needed
+            if self.kv.allocate_slots(req, 1) is None:
+                return None
+        out = SchedulerOutput(finished_req_ids=self._finished_ids)
+        self._finished_ids = set()
+        for req in going:
+            out.scheduled.append(ScheduledRequest(
+                request_id=req.request_id,
+                token_ids=[PENDING_TOKEN],
+                start_pos=req.num_computed_tokens,
+                block_ids=self.kv.get_block_ids(req.request_id),
+                sample=True,
+                sampling_params=req.sampling_params,
+                input_from_row=rows[req.request_id],
+            ))
+            req.num_computed_tokens += 1
+        budget -= len(going)
+        budget = self._admit(out, budget)
+        return self._close(out, budget)
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> int:
+        """Admit from the queue head while the budget, the sequence cap and the KV blocks
+        allow, taking prefix-cache hits first; returns the budget left."""
         queue = self._admission_queue()
-        while (not out.preempted_req_ids and queue and budget > 0
-               and len(self.running) < self.config.max_num_seqs):
+        while queue and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = queue[0]
             if req.waits_for_lead:
                 break
@@ -156,6 +216,9 @@ class Scheduler:
             out.scheduled.append(self._schedule(req, num_new))
             budget -= num_new
 
+        return budget
+
+    def _close(self, out: SchedulerOutput, budget: int) -> SchedulerOutput:
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
         self._last_tokens = out.num_batched_tokens
         self._last_seqs = len(out.scheduled)
