@@ -12,7 +12,9 @@ if [ "${SERVER:-1}" != 0 ]; then
   pkgs="$pkgs fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0 pydantic==2.14.4
         pydantic_core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 sniffio==1.3.1
         SQLAlchemy==2.1.9 greenlet==3.5.6 alembic==1.20.1 Mako==1.4.3 platformdirs==4.14.8
-        pyzmq==27.3.0"
+        pyzmq==27.3.0 anyio==4.16.0 idna==3.20 h11==0.16.0 click==8.5.1
+        prometheus_client==0.26.0 psutil==7.2.2 httpx==0.28.1 httpcore==1.0.9
+        certifi==2026.10.19.post1"
 fi
 for pkg in $pkgs; do
   "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \

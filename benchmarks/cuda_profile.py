@@ -75,13 +75,18 @@ def main() -> None:
     ap.add_argument("--tokenizer", type=Path, default=None)
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--no-kernels", action="store_true", help="skip the kernel table")
+    ap.add_argument("--variants", default=",".join(VARIANTS),
+                    help=f"comma-separated, of {', '.join(VARIANTS)}")
     args = ap.parse_args()
+    chosen = args.variants.split(",")
+    if unknown := set(chosen) - set(VARIANTS):
+        ap.error(f"unknown variants {sorted(unknown)}: choose from {', '.join(VARIANTS)}")
     path, _ = cb.build_model_dir(Path("/tmp/cuda_profile/llama-1b"), cb.LLAMA_1B, args.tokenizer)
     rng = random.Random(0)
     prompt = [rng.randrange(17, cb.VOCAB) for _ in range(128)]
     results: dict = {"variants": {}}
-    for name, variant in VARIANTS.items():
-        apply_variant(variant)
+    for name in chosen:
+        apply_variant(VARIANTS[name])
         core = cb.engine(path, "cuda", False, max_num_seqs=64)
         cb.run_batch(core, [prompt], 8, "cuda", "warm")
         single = cb.run_batch(core, [prompt], 128, "cuda", "single")

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One session on a lent GPU machine, from the repository root: the CUDA tests, then
 # benchmarks/cuda_bench.py, then the HTTP server on the GPU (benchmarks/cuda_server_smoke.py;
-# SERVER=0 skips it). Expects .gpu/whl (wheels of what the machine's image lacks for the
+# SKIP_TESTS=1, SKIP_BENCH=1 and SERVER=0 skip each). Expects .gpu/whl (wheels of what the machine's image lacks for the
 # engine and the server) and .gpu/tokenizer (SmolLM2's tokenizer, saved), carried along
 # (benchmarks/cuda_payload.sh makes them). Writes logs and results to $OUT (default:
 # ./cuda-out).
@@ -19,9 +19,17 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
       tests/unit/test_triton_ops.py tests/unit/test_triton_attention.py tests/model/test_cuda.py ${TEST_ARGS:-} \
       2>&1 | tee "$OUT/pytest.log" | tail -25
 fi
-timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/cuda_bench.py --tokenizer .gpu/tokenizer \
-    --out "$OUT/cuda_bench.json" ${BENCH_ARGS:-} 2>&1 | grep -v " INFO " | tee "$OUT/bench.log" | tail -20
+python3 - <<'PY'  # what the server would import and this machine's image lacks
+import importlib.util
+mods = "fastapi uvicorn starlette pydantic sqlalchemy alembic zmq prometheus_client psutil httpx anyio h11 click platformdirs msgspec llguidance gguf jinja2".split()
+print("missing modules:", [m for m in mods if importlib.util.find_spec(m) is None] or "none")
+PY
+if [ "${SKIP_BENCH:-0}" != 1 ]; then
+  timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/cuda_bench.py --tokenizer .gpu/tokenizer \
+      --out "$OUT/cuda_bench.json" ${BENCH_ARGS:-} 2>&1 | grep -v " INFO " | tee "$OUT/bench.log" | tail -20
+fi
 if [ "${SERVER:-1}" != 0 ]; then  # the HTTP server on the GPU (needs the server's wheels)
   timeout "${SERVER_TIMEOUT:-200}" python3 benchmarks/cuda_server_smoke.py --device cuda \
-      --tokenizer .gpu/tokenizer 2>&1 | grep -E "^(ok|FAIL)" | tee "$OUT/server.log"
+      --tokenizer .gpu/tokenizer > "$OUT/server.log" 2>&1  # the server's log on a failure
+  grep -E "^(ok|FAIL)" "$OUT/server.log"
 fi
