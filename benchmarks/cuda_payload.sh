@@ -14,7 +14,7 @@ if [ "${SERVER:-1}" != 0 ]; then
         SQLAlchemy==2.1.9 greenlet==3.5.6 alembic==1.20.1 Mako==1.4.3 platformdirs==4.14.8
         pyzmq==27.3.0 anyio==4.16.0 idna==3.20 h11==0.16.0 click==8.5.1
         prometheus_client==0.26.0 psutil==7.2.2 httpx==0.28.1 httpcore==1.0.9
-        certifi==2026.10.19.post1"
+        certifi==2026.10.19.post1 opentelemetry-api==1.45.2 annotated-doc==0.0.7"
 fi
 for pkg in $pkgs; do
   "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \

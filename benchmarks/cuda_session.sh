@@ -21,7 +21,9 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
 fi
 python3 - <<'PY'  # what the server would import and this machine's image lacks
 import importlib.util
-mods = "fastapi uvicorn starlette pydantic sqlalchemy alembic zmq prometheus_client psutil httpx anyio h11 click platformdirs msgspec llguidance gguf jinja2".split()
+mods = ("fastapi uvicorn starlette pydantic sqlalchemy alembic zmq prometheus_client psutil httpx "
+        "anyio h11 click platformdirs msgspec llguidance gguf jinja2 opentelemetry yaml "
+        "markupsafe mako tqdm annotated_doc").split()
 print("missing modules:", [m for m in mods if importlib.util.find_spec(m) is None] or "none")
 PY
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
