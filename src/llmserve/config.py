@@ -109,7 +109,7 @@ class SchedulerConfig:
     async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
-        if self.async_scheduling not in (None, True, False):
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise ValueError(f"async_scheduling must be true, false or null, got "
                              f"{self.async_scheduling!r}")
         if self.max_num_batched_tokens < 1:

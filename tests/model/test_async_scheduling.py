@@ -150,6 +150,26 @@ def test_abort_while_a_step_runs_ahead(tiny_model_dir):
         assert got[rid] == alone.generate([prompts[rid]], params)[0].outputs[0].token_ids
 
 
+def test_a_request_id_held_by_a_step_in_flight_is_refused(tiny_model_dir):
+    """An id whose request ended while a step that holds it runs ahead: that step's token
+    would be taken for a new request of the same id."""
+    engine = _llm(str(tiny_model_dir("llama-gqa")[0]), True).engine
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    engine.add_request("r", [20] * 6, params)
+    while engine._ahead is None:
+        engine.step()
+    engine.abort("r")
+    with pytest.raises(ValueError, match="still held by a step in flight"):
+        engine.add_request("r", [21] * 6, params)
+    assert engine.has_unfinished()
+    engine.reset_prefix_cache()  # reads the leftover step first
+    assert not engine.has_unfinished()
+    engine.add_request("r", [21] * 6, params)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.stats().kv_blocks_used == 0
+
+
 def test_async_scheduling_config():
     with pytest.raises(ValueError, match="async_scheduling must be"):
         SchedulerConfig(async_scheduling="yes")

@@ -320,13 +320,17 @@ def test_schedule_next_drops_a_stopped_request_s_token():
 
 
 @pytest.mark.parametrize("case", ["penalty", "min_tokens", "unscheduled", "no_blocks",
-                                  "prefill", "static"])
+                                  "prefill", "static", "crowded"])
 def test_schedule_next_declines(case):
-    """None, and nothing changed, where the step after needs this one's tokens on the host
-    or would have to preempt."""
+    """None, with no request's computed tokens moved, where the step after needs this one's
+    tokens on the host, would leave a running request out, or would have to preempt."""
     kw = {"scheduling": "static"} if case == "static" else {}
-    s, r = make(num_blocks=3 if case == "no_blocks" else 64, budget=6, **kw)
+    s, r = make(num_blocks=3 if case == "no_blocks" else 64, budget=1 if case == "crowded"
+                else 6, **kw)
     a = req("a", 4, max_tokens=8)
+    if case == "crowded":  # a budget of one token: b decodes in the steps a does not
+        b = req("b", 4, max_tokens=8)
+        _decoding(s, r, a, b)
     if case in ("penalty", "min_tokens"):
         extra = {"frequency_penalty": 0.5} if case == "penalty" else {"min_tokens": 2}
         a = Request("a", list(range(4)), SamplingParams(max_tokens=8, temperature=0, **extra),
@@ -342,6 +346,10 @@ def test_schedule_next_declines(case):
     if case == "prefill":
         s.add_request(req("b", 30))
     now = s.schedule()
-    before = (a.num_computed_tokens, s.kv.num_free_blocks)
+    if case == "crowded":
+        assert [x.request_id for x in now.scheduled] == ["a"]
+    before = [q.num_computed_tokens for q in s.running]
+    free = s.kv.num_free_blocks
     assert s.schedule_next(now) is None
-    assert (a.num_computed_tokens, s.kv.num_free_blocks) == before
+    assert [q.num_computed_tokens for q in s.running] == before
+    assert s.kv.num_free_blocks == free  # (with one request: nothing allocated either)

@@ -106,6 +106,7 @@ class EngineCore:
                                  else asked) and self.speculator is None
         # The step launched ahead (async scheduling): its schedule and handle.
         self._ahead: tuple[SchedulerOutput, StepHandle] | None = None
+        self._ahead_parents: set[str] = set()  # the user request ids it holds
         self.steps_ahead = 0  # steps launched ahead (tests, benchmarks)
 
     def _build_speculator(self, config: EngineConfig):
@@ -151,6 +152,10 @@ class EngineCore:
         """Validate against the model and queue the request (n sequences for n > 1)."""
         if request_id in self._families:
             raise ValueError(f"duplicate request id {request_id!r}")
+        if self._ahead is not None and request_id in self._ahead_parents:
+            # That step's token for the old request would be taken for the new one.
+            raise ValueError(f"request id {request_id!r} is still held by a step in flight; "
+                             "request ids must be unique")
         max_tokens = self.validate(prompt_token_ids, params)
         salt = None if self.config.cache.enable_prefix_caching else request_id
         lead = None
@@ -206,6 +211,8 @@ class EngineCore:
             nxt = self.scheduler.schedule_next(sched)
             if nxt is not None:
                 self._ahead = (nxt, self.runner.launch(nxt, prev=handle))
+                requests = self.scheduler.requests
+                self._ahead_parents = {requests[s.request_id].parent_id for s in nxt.scheduled}
                 self.steps_ahead += 1
         result = handle.result()
         changed = self.scheduler.update(sched, result)
@@ -246,8 +253,10 @@ class EngineCore:
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix (benchmarks start each level from a cold cache);
         returns the blocks forgotten. Raises RuntimeError while requests run."""
-        if self.has_unfinished():
+        if self.scheduler.has_unfinished():
             raise RuntimeError(f"{len(self.scheduler.requests)} requests are running")
+        if self._ahead is not None:  # a step ahead of requests that have all ended: read it
+            self.step()
         if self.speculator is not None:
             self.speculator.reset()  # the suffix method's shared history, a cache as well
         return self.kv_manager.reset_prefix_cache()

@@ -66,7 +66,7 @@ class DecodeGraphs:
         self.seq_lens = torch.ones(max_batch, dtype=torch.int32, device=dev)
         # Asynchronous scheduling: (row, row of the step before) of each input token the
         # step before sampled and the host has not read.
-        self.fill_rows = torch.zeros(2, max_batch, dtype=torch.int64, device=dev)
+        self.fill_rows = torch.zeros(max_batch, 2, dtype=torch.int64, device=dev)
         # Pinned host copies: each step's inputs go over in asynchronous copies (the block
         # tables flat, so that a step's rows are one contiguous source).
         self._host = {name: torch.empty_like(t, device="cpu").pin_memory()
@@ -146,10 +146,10 @@ class DecodeGraphs:
         if fill is not None:
             pending, sampled = fill
             n = len(pending)
-            host["fill_rows"][:, :n] = torch.tensor(pending, dtype=torch.int64).T
-            self.fill_rows[:, :n].copy_(host["fill_rows"][:, :n], non_blocking=True)
-            self.input_ids.index_copy_(0, self.fill_rows[0, :n],
-                                       sampled.index_select(0, self.fill_rows[1, :n]))
+            host["fill_rows"][:n] = torch.tensor(pending, dtype=torch.int64)
+            self.fill_rows[:n].copy_(host["fill_rows"][:n], non_blocking=True)  # contiguous
+            self.input_ids.index_copy_(0, self.fill_rows[:n, 0],
+                                       sampled.index_select(0, self.fill_rows[:n, 1]))
         self._copied.record()
         graph.replay()
         self.replays += 1

@@ -118,9 +118,10 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, sched: SchedulerOutput, prev: StepHandle | None = None) -> StepHandle:
         """Start the step; its sampled tokens are read when the handle's ``result()`` is
-        called. On a GPU nothing here waits for the device (unless the step has prompt
-        logprobs), so the host can plan and launch the next step meanwhile. ``prev``: the
-        step before, whose sampled ids feed this step's ``input_from_row`` tokens."""
+        called. A decode step replayed by a CUDA graph does not wait for the device here (an
+        eager step's input copies and prompt logprobs do), so the host can plan and launch
+        the next step meanwhile. ``prev``: the step before, whose sampled ids feed this
+        step's ``input_from_row`` tokens."""
         for rid in sched.finished_req_ids:
             self._seeds.pop(rid, None)
         if self.grammar is not None:

@@ -15,10 +15,9 @@ def to_device(device: torch.device, values: list | tuple, dtype: torch.dtype) ->
     """A small host list as a tensor on ``device``; to a GPU from pinned memory without a
     wait (a copy from pageable memory waits for every kernel queued before it, which would
     stall a step launched ahead of the one running)."""
-    t = torch.tensor(values, dtype=dtype)
     if device.type != "cuda":
-        return t
-    return t.pin_memory().to(device, non_blocking=True)
+        return torch.tensor(values, dtype=dtype)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:

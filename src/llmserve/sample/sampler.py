@@ -149,4 +149,3 @@ def sample_row(probs: torch.Tensor, generator: torch.Generator | None) -> torch.
     (a 0-d tensor on ``probs``' device)."""
     noise = torch.empty_like(probs).exponential_(generator=generator)
     return (probs / noise).argmax()
-

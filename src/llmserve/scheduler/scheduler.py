@@ -167,7 +167,9 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         if not going or len(going) > budget:
             return None
-        for req in going:  # allocating again later is a no-op: no rollback needed
+        # On a failure the earlier ones keep the block they got: their next allocation
+        # (in schedule()) needs it anyway and takes nothing more.
+        for req in going:
             if self.kv.allocate_slots(req, 1) is None:
                 return None
         out = SchedulerOutput(finished_req_ids=self._finished_ids)
