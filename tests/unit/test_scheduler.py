@@ -347,7 +347,7 @@ def test_schedule_next_declines(case):
         s.add_request(req("b", 30))
     now = s.schedule()
     if case == "crowded":
-        assert [x.request_id for x in now.scheduled] == ["a"]
+        assert len(now.scheduled) == 1  # the other running request waits
     before = [q.num_computed_tokens for q in s.running]
     free = s.kv.num_free_blocks
     assert s.schedule_next(now) is None
