@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from llmserve.config import SchedulerConfig
@@ -325,12 +327,11 @@ def test_schedule_next_declines(case):
     """None, with no request's computed tokens moved, where the step after needs this one's
     tokens on the host, would leave a running request out, or would have to preempt."""
     kw = {"scheduling": "static"} if case == "static" else {}
-    s, r = make(num_blocks=3 if case == "no_blocks" else 64, budget=1 if case == "crowded"
-                else 6, **kw)
+    s, r = make(num_blocks=3 if case == "no_blocks" else 64, budget=6, **kw)
     a = req("a", 4, max_tokens=8)
-    if case == "crowded":  # a budget of one token: b decodes in the steps a does not
-        b = req("b", 4, max_tokens=8)
-        _decoding(s, r, a, b)
+    if case == "crowded":  # three decoding, then a budget of two tokens: c waits its turn
+        _decoding(s, r, a, req("b", 4, max_tokens=8), req("c", 4, max_tokens=8))
+        s.config = dataclasses.replace(s.config, max_num_batched_tokens=2)
     if case in ("penalty", "min_tokens"):
         extra = {"frequency_penalty": 0.5} if case == "penalty" else {"min_tokens": 2}
         a = Request("a", list(range(4)), SamplingParams(max_tokens=8, temperature=0, **extra),
@@ -347,7 +348,7 @@ def test_schedule_next_declines(case):
         s.add_request(req("b", 30))
     now = s.schedule()
     if case == "crowded":
-        assert len(now.scheduled) == 1  # the other running request waits
+        assert [x.request_id for x in now.scheduled] == ["a", "b"]
     before = [q.num_computed_tokens for q in s.running]
     free = s.kv.num_free_blocks
     assert s.schedule_next(now) is None
