@@ -329,14 +329,14 @@ def test_schedule_next_declines(case):
     kw = {"scheduling": "static"} if case == "static" else {}
     s, r = make(num_blocks=3 if case == "no_blocks" else 64, budget=6, **kw)
     a = req("a", 4, max_tokens=8)
-    if case == "crowded":  # three decoding, then a budget of two tokens: c waits its turn
-        _decoding(s, r, a, req("b", 4, max_tokens=8), req("c", 4, max_tokens=8))
-        s.config = dataclasses.replace(s.config, max_num_batched_tokens=2)
     if case in ("penalty", "min_tokens"):
         extra = {"frequency_penalty": 0.5} if case == "penalty" else {"min_tokens": 2}
         a = Request("a", list(range(4)), SamplingParams(max_tokens=8, temperature=0, **extra),
                     max_tokens=8)
-    _decoding(s, r, a)
+    others = [req("b", 4, max_tokens=8), req("c", 4, max_tokens=8)] if case == "crowded" else []
+    _decoding(s, r, a, *others)
+    if case == "crowded":  # three decoding, then a budget of two tokens: c waits its turn
+        s.config = dataclasses.replace(s.config, max_num_batched_tokens=2)
     if case == "unscheduled":
         s.add_request(req("b", 30))
         step(s, r)  # b's first chunk: a decodes, b prefills past this step
