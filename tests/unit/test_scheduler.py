@@ -337,6 +337,7 @@ def test_schedule_next_declines(case):
     _decoding(s, r, a, *others)
     if case == "crowded":  # three decoding, then a budget of two tokens: c waits its turn
         s.config = dataclasses.replace(s.config, max_num_batched_tokens=2)
+        a.max_tokens = a.num_output_tokens + 1  # this step ends a: the two others would fit
     if case == "unscheduled":
         s.add_request(req("b", 30))
         step(s, r)  # b's first chunk: a decodes, b prefills past this step
