@@ -105,6 +105,40 @@ def test_async_scheduling_under_preemption_and_prefix_caching(tiny_model_dir):
     assert cached.engine.stats().prefix_hits > 0
 
 
+def test_async_scheduling_with_families_priorities_stop_strings_and_eos(tiny_model_dir):
+    """n = 2 families (siblings admitted once their lead's prompt is in), the priority
+    policy under a small pool, stop strings (the frontend aborts the request after the step
+    ahead was launched) and EOS left on: the synchronous output, every sequence of it."""
+    path = str(tiny_model_dir("llama-gqa")[0])
+    rng = random.Random(5)
+    prompts = [[rng.randrange(17, 49152) for _ in range(rng.randint(4, 90))]
+               for _ in range(12)]
+    sync = _llm(path, False)
+    texts = [o.outputs[0].text for o in sync.generate(prompts, SamplingParams(
+        temperature=0, max_tokens=24, ignore_eos=True))]
+    params = []
+    for i, text in enumerate(texts):
+        stop = (text[len(text) // 2:len(text) // 2 + 3],) if i % 3 == 0 and len(text) > 6 else ()
+        params.append(SamplingParams(temperature=0 if i % 2 else 0.8, seed=i, max_tokens=24,
+                                     n=2 if i % 4 == 1 else 1, stop=stop))
+    priority = [i % 3 for i in range(len(prompts))]
+
+    def run(asynchronous: bool) -> list:
+        llm = LLM(path, max_model_len=256, seed=3, async_scheduling=asynchronous,
+                  num_kv_blocks=20, max_num_seqs=6, max_num_batched_tokens=64,
+                  policy="priority")
+        outs = llm.generate(prompts, params, priority=priority)
+        llm.engine.kv_manager.check_integrity()
+        assert llm.engine.stats().kv_blocks_used == 0
+        return llm, [[(c.token_ids, c.finish_reason, c.text) for c in o.outputs] for o in outs]
+
+    _, reference = run(False)
+    ahead, got = run(True)
+    assert got == reference
+    assert ahead.engine.steps_ahead > 0 and ahead.engine.stats().num_preemptions > 0
+    assert sum(c[1] == "stop" for o in reference for c in o) >= 3
+
+
 def test_no_step_ahead_for_requests_that_read_their_tokens(tiny_model_dir):
     """Penalties and min_tokens read the host copy of a request's tokens: while such a
     request runs, every step is planned after the one before is read."""
