@@ -114,6 +114,35 @@ def test_compiled_rows_do_not_depend_on_the_chunk(kv_dtype: str, window: int | N
     assert torch.equal(first, whole[:150])
 
 
+@pytest.mark.skipif(cpu_ops() is None, reason=NO_KERNELS)
+@pytest.mark.parametrize("kv_dtype", ["float32", "int8"])
+def test_compiled_rows_do_not_depend_on_the_threads(kv_dtype: str):
+    """A lone decode's 3 KV heads do not share out over 2 threads: the kernel then splits
+    them by query head. Rows are the same on 1, 2 and 3 threads, alone and batched."""
+    lengths = {0: 300, 1: 600, 2: 40, 3: 517}
+    kv, q, blocks, num_blocks = _problem(lengths)
+
+    def cache() -> PagedKVCache:
+        return PagedKVCache.allocate(kv_dtype, num_blocks, BS, HKV, D, torch.device("cpu"))
+
+    before = torch.get_num_threads()
+    outs = []
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            for n_query in (1, 5):
+                outs.append([_run("cpu_paged", [(s, n_query, blocks[s])], cache(), kv, q)[0]
+                             for s in lengths])
+                outs.append(list(_run("cpu_paged", [(s, n_query, blocks[s]) for s in lengths],
+                                      cache(), kv, q)))
+    finally:
+        torch.set_num_threads(before)
+    # Per thread count: alone and batched, for 1 query row, then for 5.
+    for k, got in enumerate(outs):
+        want = outs[0] if k % 4 < 2 else outs[2]
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), k
+
+
 @pytest.mark.parametrize("kv_dtype", list(KV_CACHE_DTYPES))
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_matches_float64_reference(backend: str, kv_dtype: str):
