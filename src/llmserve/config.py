@@ -146,6 +146,10 @@ class SpeculativeConfig:
     draft_prompt_lookup: the draft model checks, in each of its passes, what a prompt
         lookup (``prompt_lookup_min``/``_max``) expects next, and skips a pass for each
         token it confirms (``draft``; on unless false: the same proposals in fewer passes).
+    adaptive: speculate only where the measured cost of steps and the guard over real
+        steps expect a gain (the default: under load speculation switches itself off);
+        false: every decoding request proposes up to ``num_speculative_tokens`` in every
+        step, as vLLM does.
     """
 
     method: str = "ngram"
@@ -157,6 +161,7 @@ class SpeculativeConfig:
     quantization: str = "auto"
     suffix_decoding_max_cached_requests: int = 256
     draft_prompt_lookup: bool | None = None
+    adaptive: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -184,6 +189,8 @@ class SpeculativeConfig:
                                                                    bool):
             raise ValueError("draft_prompt_lookup must be true or false, "
                              f"got {self.draft_prompt_lookup!r}")
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(f"adaptive must be true or false, got {self.adaptive!r}")
         if self.draft_num_layers is not None and (
                 not isinstance(self.draft_num_layers, int) or self.draft_num_layers < 1):
             raise ValueError(f"draft_num_layers must be a positive integer, "

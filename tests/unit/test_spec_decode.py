@@ -331,6 +331,27 @@ def test_a_model_proposer_speculates_only_for_a_large_gain(cheap, cost, known, d
     assert [bool(r.draft_token_ids) for r in requests] == drafted
 
 
+@pytest.mark.parametrize("adaptive", [True, False])
+def test_not_adaptive_speculates_in_every_step_a_proposal_is_found(adaptive):
+    """Rows as dear as whole steps: the adaptive planner never speculates, and
+    ``adaptive: false`` (vLLM's behaviour) proposes for every decoding request anyway,
+    guard or not, each as many tokens as its lookup finds."""
+    dear_rows = StepCost([(1, 0.010), (2, 0.020), (64, 0.64)])
+    spec = Speculator(SpeculativeConfig(method="ngram", num_speculative_tokens=4,
+                                        adaptive=adaptive), NgramProposer(1, 4), dear_rows, 256)
+    requests = []
+    for rid in ("a", "b"):
+        req = Request(rid, [1, 2, 3, 1, 2, 3, 1, 2], SamplingParams(max_tokens=64),
+                      max_tokens=64)
+        req.num_computed_tokens = req.num_tokens - 1
+        req.status = RequestStatus.RUNNING
+        requests.append(req)
+    for _ in range(3):
+        spec.prepare(requests, [])
+        assert [r.draft_token_ids for r in requests] == \
+            ([[3, 1, 2]] * 2 if not adaptive else [[], []])
+
+
 @pytest.mark.parametrize("cheap", [True, False])
 def test_a_model_proposer_waits_for_decode_only_steps(cheap):
     """A prompt waiting to be prefilled makes the next step mixed: a lookup speculates
@@ -527,6 +548,7 @@ def test_speculative_config_from_json_names_what_is_wrong():
                         ('{"method": "draft", "model": "m", "draft_prompt_lookup": "yes"}',
                          "true or false"),
                         ('{"draft_prompt_lookup": false}', 'method "draft" only'),
+                        ('{"adaptive": "no"}', "adaptive must be true or false"),
                         ('{"num_speculative_token": 4}', "unknown speculative config keys"),
                         ("[1]", "JSON object"), ("{", "not valid JSON")]:
         with pytest.raises(ValueError) as e:

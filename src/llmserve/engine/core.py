@@ -137,9 +137,15 @@ class EngineCore:
             self.runner.time_verify_step(1, block_ids, repeats=2)  # first-call costs
             # Round robin over the sizes, best of the rounds: a burst of load from elsewhere
             # on the machine spoils one round of a few sizes, not every round of one size.
-            # Small steps are cheap to time and decide the most: more rounds for them.
+            # Small steps are cheap to time and decide the most: more rounds for them, and
+            # up to 20 while those take under a quarter of a second (a small model's steps
+            # last well under a millisecond, where one lucky sample of a 1-token step makes
+            # every verification look dear and speculation never starts).
             best = dict.fromkeys(sizes, float("inf"))
-            for round_ in range(5):
+            extra_until = time.perf_counter() + 0.25
+            for round_ in range(20):
+                if round_ >= 5 and time.perf_counter() > extra_until:
+                    break
                 for n in sizes:
                     if round_ < 2 or n <= 64:
                         best[n] = min(best[n], self.runner.time_verify_step(n, block_ids, 1))

@@ -150,9 +150,10 @@ class Speculator:
                     r.num_accepted_tokens, r.num_draft_tokens, self.pool.rate,
                     fade=self.FADE ** idle))
         # Planned as if every proposal were found: under load nothing is asked for at all.
-        counts = plan_drafts(acceptance, limits, **plan_kw)
+        adaptive = self.config.adaptive
+        counts = plan_drafts(acceptance, limits, **plan_kw) if adaptive else list(limits)
         chosen = [i for i, c in enumerate(counts) if c]
-        if chosen and not self.proposer.cheap:
+        if chosen and adaptive and not self.proposer.cheap:
             # A request the draft has not followed yet (its history to write first) only if
             # the tokens it is expected to add pay that back: not in the tail of a busy
             # server, where a few long requests remain with little left to generate.
@@ -166,10 +167,10 @@ class Speculator:
                 limits = [0 if i in unpaid else n for i, n in enumerate(limits)]
                 counts = plan_drafts(acceptance, limits, **plan_kw)
                 chosen = [i for i, c in enumerate(counts) if c]
-        if chosen and not self.proposer.cheap and not any(
+        if chosen and adaptive and not self.proposer.cheap and not any(
                 plan_drafts(acceptance, limits, **{**plan_kw, "min_gain": self.MODEL_GAIN})):
             chosen = chosen[:1] if self.pool.drafted < self.LEARN_TOKENS else []
-        if chosen and self.guard:
+        if chosen and adaptive and self.guard:
             arm = self.arms.setdefault(self._bucket, ArmStats())
             allowed = guard_allows(arm, arm.decisions)
             arm.decisions += 1
@@ -183,8 +184,9 @@ class Speculator:
             lengths = [0] * len(decoding)
             for i, p in zip(chosen, found):
                 proposals[i], lengths[i] = p, len(p)
-            counts = plan_drafts(acceptance, lengths, **plan_kw)
-            proposals = [p[:c] for p, c in zip(proposals, counts)]
+            if adaptive:
+                counts = plan_drafts(acceptance, lengths, **plan_kw)
+                proposals = [p[:c] for p, c in zip(proposals, counts)]
         elif chosen:
             found = self.proposer.propose([decoding[i] for i in chosen],
                                           [counts[i] for i in chosen])
