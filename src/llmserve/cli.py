@@ -153,7 +153,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="input channels per int4 scale")
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPE_CHOICES, default="auto",
                    help="KV cache storage (8-bit formats keep a scale per token and head; "
-                        "auto: --dtype)")
+                        "auto: int8 on CPU for int4/int8/w8a8 weights, else --dtype)")
     p.add_argument("--kv-cache-memory", type=float, default=None, metavar="GIB",
                    help="memory for the KV cache in GiB (default: on CPU a tenth of "
                         "available RAM, 0.25 to 2 GiB; on CUDA half the free device memory)")

@@ -77,7 +77,7 @@ class CacheConfig:
     kv_cache_memory_gib: float | None = None  # default: see kv_cache.sizing
     num_blocks: int | None = None  # overrides the memory budget (tests, benchmarks)
     enable_prefix_caching: bool = True
-    kv_cache_dtype: str = "auto"  # auto: the dense weight dtype
+    kv_cache_dtype: str = "auto"  # auto: int8 for quantized weights on CPU, else the dtype
     # Sliding-window layers in KV cache groups of their own that release the blocks their
     # window leaves; False: one block table for every layer, each keeping its whole context.
     hybrid_kv_cache: bool = True

@@ -8,7 +8,8 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
 
-from llmserve.attention.kv_format import PagedKVCache
+from llmserve.attention.kv_format import PagedKVCache, resolve_kv_cache_dtype
+from llmserve.engine.llm import LLM
 from llmserve.layers.linear import Linear
 from llmserve.layers.quantization import WeightFormat
 from llmserve.models.gguf_loader import GGUFFile, _q4_blocks
@@ -68,6 +69,42 @@ def test_perplexity_guard_smollm2():
     assert ppl["int8"] / ppl["none"] - 1 < 0.01, ppl
     assert ppl["int4"] / ppl["none"] - 1 < 0.02, ppl
     assert ppl["int8"] < ppl["w8a8"] < ppl["none"] * 1.03, ppl  # one level costs more
+    # What `auto` serves the default model with: its int4 blocks and an int8 KV cache.
+    loaded = load_model(DEFAULT_MODEL)
+    assert loaded.weight_format.quantization == "int4"
+    served = perplexity(loaded.model, loaded.tokenizer.encode(text), kv_cache_dtype="int8")
+    assert served / ppl["none"] - 1 < 0.02, (served, ppl)
+
+
+@pytest.mark.parametrize(("quantization", "dtype", "device", "expected"), [
+    ("int4", "float32", "cpu", "int8"),
+    ("int8", "float32", "cpu", "int8"),
+    ("w8a8", "bfloat16", "cpu", "int8"),
+    ("none", "float32", "cpu", "float32"),
+    ("none", "bfloat16", "cpu", "bfloat16"),
+    ("none", "bfloat16", "cuda", "bfloat16"),
+    ("none", "float16", "cuda:1", "float16"),
+])
+def test_auto_kv_cache_dtype(quantization, dtype, device, expected):
+    """`auto` gives quantized weights on CPU an int8 cache, anything else the weight dtype;
+    a named dtype is kept whatever the weights."""
+    assert resolve_kv_cache_dtype("auto", dtype, quantization, device) == expected
+    assert resolve_kv_cache_dtype("float32", dtype, quantization, device) == "float32"
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+        resolve_kv_cache_dtype("int9", dtype, quantization, device)
+
+
+@pytest.mark.parametrize(("quantization", "kv", "expected", "dtype"), [
+    ("int4", "auto", "int8", torch.int8),
+    ("none", "auto", "float32", torch.float32),
+    ("int4", "float32", "float32", torch.float32),
+])
+def test_engine_allocates_the_resolved_kv_cache(tiny_model_dir, quantization, kv, expected,
+                                                dtype):
+    path, _ = tiny_model_dir("llama-gqa")
+    llm = LLM(str(path), quantization=quantization, kv_cache_dtype=kv, num_kv_blocks=16)
+    assert llm.engine.card.kv_cache_dtype == expected
+    assert {c.key.dtype for c in llm.engine.runner.kv_caches} == {dtype}
 
 
 def test_quantized_formats_shrink_the_weights(tiny_model_dir):

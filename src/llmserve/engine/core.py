@@ -48,7 +48,9 @@ class EngineCore:
         self.eos_token_ids = self.tokenizer.stop_token_ids | frozenset(arch.eos_token_ids)
 
         cache = config.cache
-        kv_dtype = resolve_kv_cache_dtype(cache.kv_cache_dtype, self.loaded.weight_format.dtype)
+        fmt = self.loaded.weight_format
+        kv_dtype = resolve_kv_cache_dtype(cache.kv_cache_dtype, fmt.dtype, fmt.quantization,
+                                          str(mc.device))
         windows = [arch.window(i) if cache.hybrid_kv_cache else None
                    for i in range(arch.num_hidden_layers)]
         groups = tuple(group_layers(windows))

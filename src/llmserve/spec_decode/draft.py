@@ -81,8 +81,9 @@ class DraftProposer:
                                  "target's tokenizer")
         self.block_size = engine_config.cache.block_size
         self.budget = engine_config.scheduler.max_num_batched_tokens
-        kv_dtype = resolve_kv_cache_dtype(engine_config.cache.kv_cache_dtype,
-                                          self.loaded.weight_format.dtype)
+        fmt = self.loaded.weight_format
+        kv_dtype = resolve_kv_cache_dtype(engine_config.cache.kv_cache_dtype, fmt.dtype,
+                                          fmt.quantization, str(mc.device))
         self.runner = ModelRunner(self.loaded.model, arch, num_blocks=num_blocks,
                                   block_size=self.block_size, device=mc.device,
                                   kv_cache_dtype=kv_dtype)
