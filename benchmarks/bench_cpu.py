@@ -46,8 +46,8 @@ AGGREGATE_PROMPT, AGGREGATE_NEW = 128, 32  # aggregate decode: prompt and output
 
 
 def format_options(name: str) -> dict:
-    """A --formats entry, ``int8`` or ``int8+kv-int8`` (with a KV cache dtype), as LLM
-    keyword arguments."""
+    """A --formats entry, ``int8`` or ``int8+kv-float32`` (with a KV cache dtype; without
+    one, ``auto``: int8 for these formats on CPU), as LLM keyword arguments."""
     base, _, kv = name.partition("+kv-")
     if base not in FORMATS:
         raise SystemExit(f"unknown format {base!r}: choose from {', '.join(FORMATS)}, "

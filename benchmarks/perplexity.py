@@ -25,7 +25,11 @@ FORMATS = [
     ("int4 g32", {"quantization": "int4", "group_size": 32}, "float32", 0.02),
     ("int4 g64", {"quantization": "int4", "group_size": 64}, "float32", 0.05),
     ("int4 g128", {"quantization": "int4", "group_size": 128}, "float32", 0.05),
-    ("int4 g32 + KV int8", {"quantization": "int4"}, "int8", None),
+    # What `auto` serves on CPU: quantized weights with an int8 KV cache (the default
+    # model: its int4 blocks), held to the same bounds as the weights alone.
+    ("int8 + KV int8", {"quantization": "int8"}, "int8", 0.01),
+    ("w8a8 + KV int8", {"quantization": "w8a8"}, "int8", 0.03),
+    ("int4 g32 + KV int8 (default)", {"quantization": "int4"}, "int8", 0.02),
     ("int4 g32 + KV fp8_e4m3", {"quantization": "int4"}, "fp8_e4m3", None),
 ]
 
