@@ -4,7 +4,7 @@ The text is benchmarks/data/eval_prose.txt (about 4,800 SmolLM2 tokens of Englis
 an explainer on LLM inference from this project's seed documents), scored in windows of
 1,024 tokens. The reference is float32 weights dequantized from the same GGUF file.
 
-    .venv/bin/python benchmarks/perplexity.py [--model smollm2-135m-instruct]
+    .venv/bin/python benchmarks/perplexity.py [--model smollm2-135m-instruct] [--formats int8,...]
 """
 
 from __future__ import annotations
@@ -38,10 +38,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--window", type=int, default=1024)
+    parser.add_argument("--formats", default=None,
+                        help="comma-separated labels to run (float32, the reference, always runs)")
     args = parser.parse_args()
+    wanted = None if args.formats is None else {"float32", *args.formats.split(",")}
     ref = None
     print("| format | KV cache | perplexity | vs float32 | goal |\n|---|---|---|---|---|")
     for label, options, kv, allowed in FORMATS:
+        if wanted is not None and label not in wanted:
+            continue
         loaded = load_model(args.model, **options)
         ids = loaded.tokenizer.encode(TEXT.read_text())
         ppl = perplexity(loaded.model, ids, window=args.window, kv_cache_dtype=kv)
