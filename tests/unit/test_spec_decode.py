@@ -331,6 +331,34 @@ def test_a_model_proposer_speculates_only_for_a_large_gain(cheap, cost, known, d
     assert [bool(r.draft_token_ids) for r in requests] == drafted
 
 
+@pytest.mark.parametrize(("accepted", "drafted", "learns"), [
+    (0, 1, True), (0, 8, True), (1, 31, True), (0, 32, False), (3, 40, False)])
+def test_a_draft_model_keeps_learning_until_its_acceptance_is_known(accepted, drafted,
+                                                                    learns):
+    """A draft model's first drafts rejected (the pool's rate below the fresh 1/2 after
+    fewer than LEARN_TOKENS draft tokens) do not stop it: one request a step still
+    speculates, or no new evidence would ever come (seen: one rejected first draft left a
+    draft model off for the rest of a run). With LEARN_TOKENS verified, the pool's low rate
+    is a verdict."""
+
+    class Proposer(NgramProposer):
+        cheap = False
+
+    spec = Speculator(SpeculativeConfig(method="ngram", num_speculative_tokens=4),
+                      Proposer(1, 4), StepCost([(1, 0.010), (5, 0.010), (64, 0.19)]), 256)
+    spec.guard = False
+    spec.pool = AcceptancePool(accepted=accepted, drafted=drafted)
+    requests = []
+    for rid in ("a", "b", "c"):
+        req = Request(rid, [1, 2, 3, 1, 2, 3, 1, 2], SamplingParams(max_tokens=64),
+                      max_tokens=64)
+        req.num_computed_tokens = req.num_tokens - 1
+        req.status = RequestStatus.RUNNING
+        requests.append(req)
+    spec.prepare(requests, [])
+    assert sum(bool(r.draft_token_ids) for r in requests) == (1 if learns else 0)
+
+
 @pytest.mark.parametrize("adaptive", [True, False])
 def test_not_adaptive_speculates_in_every_step_a_proposal_is_found(adaptive):
     """Rows as dear as whole steps: the adaptive planner never speculates, and

@@ -141,13 +141,19 @@ class Speculator:
             acceptance = [acceptance_estimate(r.num_accepted_tokens, r.num_draft_tokens, 0.5)
                           for r in decoding]
         else:
+            # While the pool is still learning (fewer than LEARN_TOKENS verified), a rejected
+            # first draft or two is no verdict: below the fresh prior the plan would stop
+            # drafting, and with no new drafts the pool would never learn again.
+            prior = self.pool.rate
+            if self.pool.drafted < self.LEARN_TOKENS:
+                prior = max(prior, AcceptancePool().rate)
             acceptance = []
             for r in decoding:
                 # Steps run without drafts since its last verification.
                 last = self._verified_at.get(r.request_id)
                 idle = 0 if last is None else self._steps - 1 - last
                 acceptance.append(acceptance_estimate(
-                    r.num_accepted_tokens, r.num_draft_tokens, self.pool.rate,
+                    r.num_accepted_tokens, r.num_draft_tokens, prior,
                     fade=self.FADE ** idle))
         # Planned as if every proposal were found: under load nothing is asked for at all.
         adaptive = self.config.adaptive
