@@ -1,12 +1,13 @@
-"""The default KV cache against another, decode at several batches and contexts, both
-engines in one process, alternating (this host's speed drifts by 10-20% within minutes:
-separate runs cannot be compared).
+"""The default KV cache against another (or the default format against another weight
+format), decode at several batches and contexts, both engines in one process, alternating
+(this host's speed drifts by 10-20% within minutes: separate runs cannot be compared).
 
 For each (batch, context): `batch` requests of `context` random prompt tokens, prefilled,
 then `--steps` decode steps timed; output tokens/s of each engine, the median of
 `--repeats` alternations, and their ratio.
 
     .venv/bin/python benchmarks/kv_dtype_ab.py [--quantization auto] [--other float32]
+    .venv/bin/python benchmarks/kv_dtype_ab.py --other auto --other-quantization w8a8
 """
 
 from __future__ import annotations
@@ -46,17 +47,21 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quantization", default="auto")
     p.add_argument("--other", default="float32", help="the KV cache dtype to compare with")
+    p.add_argument("--other-quantization", default=None,
+                   help="the other engine's weight format (default: --quantization)")
     p.add_argument("--points", default="1x256,1x2048,1x4096,8x512,64x128,64x384,64x1024",
                    help="batch x context pairs")
     p.add_argument("--steps", type=int, default=24)
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args()
     engines = {}
-    for kv in ("auto", args.other):
-        llm = LLM(quantization=args.quantization, kv_cache_dtype=kv, max_model_len=8192,
+    other_q = args.other_quantization or args.quantization
+    for quantization, kv in ((args.quantization, "auto"), (other_q, args.other)):
+        llm = LLM(quantization=quantization, kv_cache_dtype=kv, max_model_len=8192,
                   max_num_seqs=64, max_num_batched_tokens=4096, kv_cache_memory=2.0,
                   enable_prefix_caching=False)
-        engines[f"{kv} ({llm.engine.card.kv_cache_dtype})"] = llm
+        weights = llm.engine.loaded.weight_format.quantization
+        engines[f"{weights}, KV {kv} ({llm.engine.card.kv_cache_dtype})"] = llm
     names = list(engines)
     print(f"| batch x context | {names[0]} tok/s | {names[1]} tok/s | ratio (per repeat) |")
     print("|---|---|---|---|")
