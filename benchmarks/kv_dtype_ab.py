@@ -45,6 +45,7 @@ def decode_rate(llm: LLM, batch: int, context: int, steps: int, seed: int) -> fl
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--quantization", default="auto")
     p.add_argument("--other", default="float32", help="the KV cache dtype to compare with")
     p.add_argument("--other-quantization", default=None,
@@ -57,7 +58,7 @@ def main() -> None:
     engines = {}
     other_q = args.other_quantization or args.quantization
     for quantization, kv in ((args.quantization, "auto"), (other_q, args.other)):
-        llm = LLM(quantization=quantization, kv_cache_dtype=kv, max_model_len=8192,
+        llm = LLM(args.model, quantization=quantization, kv_cache_dtype=kv, max_model_len=8192,
                   max_num_seqs=64, max_num_batched_tokens=4096, kv_cache_memory=2.0,
                   enable_prefix_caching=False)
         weights = llm.engine.loaded.weight_format.quantization
