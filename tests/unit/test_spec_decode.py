@@ -299,6 +299,19 @@ def test_the_speculator_learns_only_from_decode_only_steps():
     assert arm.spec == pytest.approx(0.02 / 4) and arm.plain == pytest.approx(0.01 / 2)
 
 
+def decoding_requests(*ids: str) -> list[Request]:
+    """Running requests, each with its prompt computed but the last token: the next step
+    decodes them (the history [1, 2, 3] x 3 gives a lookup something to find)."""
+    requests = []
+    for rid in ids:
+        req = Request(rid, [1, 2, 3, 1, 2, 3, 1, 2], SamplingParams(max_tokens=64),
+                      max_tokens=64)
+        req.num_computed_tokens = req.num_tokens - 1
+        req.status = RequestStatus.RUNNING
+        requests.append(req)
+    return requests
+
+
 @pytest.mark.parametrize(("cheap", "cost", "known", "drafted"), [
     (True, StepCost([(1, 0.010), (5, 0.010), (64, 0.19)]), True, [True, True, False]),
     (False, StepCost([(1, 0.010), (5, 0.010), (64, 0.19)]), True, [False, False, False]),
@@ -320,13 +333,7 @@ def test_a_model_proposer_speculates_only_for_a_large_gain(cheap, cost, known, d
     spec.guard = False
     if known:
         spec.pool = AcceptancePool(accepted=49, drafted=100)  # 0.49, as the fresh prior
-    requests = []
-    for rid in ("a", "b", "c"):
-        req = Request(rid, [1, 2, 3, 1, 2, 3, 1, 2], SamplingParams(max_tokens=64),
-                      max_tokens=64)
-        req.num_computed_tokens = req.num_tokens - 1
-        req.status = RequestStatus.RUNNING
-        requests.append(req)
+    requests = decoding_requests("a", "b", "c")
     spec.prepare(requests, [])
     assert [bool(r.draft_token_ids) for r in requests] == drafted
 
@@ -348,13 +355,7 @@ def test_a_draft_model_keeps_learning_until_its_acceptance_is_known(accepted, dr
                       Proposer(1, 4), StepCost([(1, 0.010), (5, 0.010), (64, 0.19)]), 256)
     spec.guard = False
     spec.pool = AcceptancePool(accepted=accepted, drafted=drafted)
-    requests = []
-    for rid in ("a", "b", "c"):
-        req = Request(rid, [1, 2, 3, 1, 2, 3, 1, 2], SamplingParams(max_tokens=64),
-                      max_tokens=64)
-        req.num_computed_tokens = req.num_tokens - 1
-        req.status = RequestStatus.RUNNING
-        requests.append(req)
+    requests = decoding_requests("a", "b", "c")
     spec.prepare(requests, [])
     assert sum(bool(r.draft_token_ids) for r in requests) == (1 if learns else 0)
 
@@ -367,13 +368,7 @@ def test_not_adaptive_speculates_in_every_step_a_proposal_is_found(adaptive):
     dear_rows = StepCost([(1, 0.010), (2, 0.020), (64, 0.64)])
     spec = Speculator(SpeculativeConfig(method="ngram", num_speculative_tokens=4,
                                         adaptive=adaptive), NgramProposer(1, 4), dear_rows, 256)
-    requests = []
-    for rid in ("a", "b"):
-        req = Request(rid, [1, 2, 3, 1, 2, 3, 1, 2], SamplingParams(max_tokens=64),
-                      max_tokens=64)
-        req.num_computed_tokens = req.num_tokens - 1
-        req.status = RequestStatus.RUNNING
-        requests.append(req)
+    requests = decoding_requests("a", "b")
     for _ in range(3):
         spec.prepare(requests, [])
         assert [r.draft_token_ids for r in requests] == \

@@ -49,7 +49,8 @@ def resolve_kv_cache_dtype(name: str, model_dtype: str, quantization: str = "non
 
     ``auto``: on CPU, a model with quantized weights (int4, int8, w8a8) gets an int8 cache:
     a quarter of float32's bytes (3.8x the tokens in the same memory with its scales), the
-    fastest attention kernel, and +0.1% perplexity on the default model (BENCHMARKS.md).
+    fastest attention kernel, and perplexity within 0.2% of a float32 cache's on the
+    default model (BENCHMARKS.md, session 32).
     Dense models, and every model on a GPU, keep the dense weight dtype (float32, bfloat16
     or float16), as vLLM's ``auto`` does.
     """
