@@ -31,15 +31,21 @@ if TYPE_CHECKING:
 HQ, HKV, D, BS = 9, 3, 64, 16
 
 
-def cases() -> dict[str, tuple[list[int], tuple[int, int] | None]]:
-    """name -> (decode context lengths, (rows, first position) of a prefill chunk)."""
+def cases() -> dict[str, tuple[list[int], tuple[int, int] | None, int]]:
+    """name -> (decode context lengths, (rows, first position) of a prefill chunk, layers).
+    A case of several layers times one call on each layer's own cache, as a decode step
+    does: their keys and values together do not fit the caches of the CPU."""
     rng = random.Random(1)
     mixed = [int(rng.lognormvariate(6.0, 0.8)) + 16 for _ in range(64)]
     return {
-        "64 decodes x 512": ([512] * 64, None),
-        "64 decodes, mixed lengths": (mixed, None),
-        "48 decodes + 256-row chunk": (mixed[:48], (256, 1024)),
-        "prefill 1024": ([], (1024, 0)),
+        "64 decodes x 512": ([512] * 64, None, 1),
+        "64 decodes, mixed lengths": (mixed, None, 1),
+        "64 decodes x 1030": ([1030] * 64, None, 1),
+        "48 decodes + 256-row chunk": (mixed[:48], (256, 1024), 1),
+        "prefill 1024": ([], (1024, 0), 1),
+        "1 decode x 1024, 30 layers": ([1024], None, 30),
+        "1 decode x 4096, 30 layers": ([4096], None, 30),
+        "4 decodes x 4096, 30 layers": ([4096] * 4, None, 30),
     }
 
 
@@ -61,16 +67,16 @@ def random_cache(dtype: str, pool: int, gen: torch.Generator, pairs: bool = True
 
 
 def make_args(dtype: str, lens: list[int], chunk: tuple[int, int] | None,
-              pairs: bool = True) -> tuple:
+              pairs: bool = True, layers: int = 1) -> list[tuple]:
     """paged_attention's arguments for decodes of context lengths ``lens`` (and a prefill
-    chunk): blocks scattered over a pool twice the size they need."""
+    chunk), one tuple per layer: blocks scattered over a pool twice the size they need."""
     import torch
 
     seqs = [(1, n) for n in lens] + ([(chunk[0], chunk[1] + chunk[0])] if chunk else [])
     max_blocks = max(-(-n // BS) for _, n in seqs)
     pool = sum(-(-n // BS) for _, n in seqs) * 2
     gen = torch.Generator().manual_seed(0)
-    key, value, scales = random_cache(dtype, pool, gen, pairs)
+    caches = [random_cache(dtype, pool, gen, pairs) for _ in range(layers)]
     perm = torch.randperm(pool, generator=gen).tolist()
     tables = torch.zeros(len(seqs), max_blocks, dtype=torch.long)
     starts, positions, used = [0], [], 0
@@ -81,17 +87,19 @@ def make_args(dtype: str, lens: list[int], chunk: tuple[int, int] | None,
         starts.append(starts[-1] + rows)
         positions += range(n - rows, n)
     q = torch.randn(starts[-1], HQ, D, generator=gen)
-    return (q, key, value, *scales, tables, torch.tensor(starts), torch.tensor(positions),
-            D ** -0.5)
+    return [(q, key, value, *scales, tables, torch.tensor(starts), torch.tensor(positions),
+             D ** -0.5) for key, value, scales in caches]
 
 
-def best_time(ops, args: tuple, iters: int) -> float:
-    """Fastest of ``iters`` calls, after one to warm up."""
-    ops.paged_attention(*args)
+def best_time(ops, layers: list[tuple], iters: int) -> float:
+    """Fastest of ``iters`` passes over the layers (one call each), after one to warm up."""
+    for args in layers:
+        ops.paged_attention(*args)
     best = float("inf")
     for _ in range(iters):
         start = time.perf_counter()
-        ops.paged_attention(*args)
+        for args in layers:
+            ops.paged_attention(*args)
         best = min(best, time.perf_counter() - start)
     return best
 
@@ -99,12 +107,14 @@ def best_time(ops, args: tuple, iters: int) -> float:
 def run_build(path: str, iters: int) -> None:
     import llmserve  # noqa: F401  (environment before torch's first use)
 
+    importlib.import_module("torch")  # then torch: the build links against its libraries
+
     spec = importlib.util.spec_from_file_location("llmserve_cpu_ops", path)
     ops = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ops)
     for dtype in ("float32", "int8"):
-        for name, (lens, chunk) in cases().items():
-            best = best_time(ops, make_args(dtype, lens, chunk), iters)
+        for name, (lens, chunk, layers) in cases().items():
+            best = best_time(ops, make_args(dtype, lens, chunk, layers=layers), iters)
             print(f"{dtype}|{name}|{best * 1e3:.4f}", flush=True)
 
 

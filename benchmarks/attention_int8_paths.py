@@ -4,8 +4,8 @@ at a time (each code converted to float32, then float multiply-adds).
 
     python benchmarks/attention_int8_paths.py [--rounds 7] [--iters 10]
 
-Same cases as attention_ab.py (one layer of SmolLM2's attention, blocks scattered over a
-pool twice their size). Each round times both paths, alternating; each keeps its fastest.
+Same cases as attention_ab.py (SmolLM2's attention, blocks scattered over a pool twice
+their size). Each round times both paths, alternating; each keeps its fastest.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ def main() -> None:
     ops = cpu_ops()
     print("| case | one at a time (float) ms | pairs (int16 dot products) ms | speedup |\n"
           "|---|---|---|---|")
-    for name, (lens, chunk) in cases().items():
-        inputs = {pairs: make_args("int8", lens, chunk, pairs) for pairs in (False, True)}
+    for name, (lens, chunk, layers) in cases().items():
+        inputs = {pairs: make_args("int8", lens, chunk, pairs, layers) for pairs in (False, True)}
         best = {False: float("inf"), True: float("inf")}
         for _ in range(args.rounds):
             for pairs, call in inputs.items():

@@ -2,7 +2,11 @@
 batched with sequences of other lengths (which changes the padded key length of a group),
 with SmolLM2's head layout (9 query heads over 3 KV heads of 64); and each backend agrees
 with a float64 softmax(q k^T) v per row, for every KV cache format (with an int8 cache the
-compiled kernel's integer dot products round q to 16 bits, and so does its reference)."""
+compiled kernel's integer dot products round q to 16 bits, and so does its reference).
+
+The compiled kernel takes long contexts in segments of ``attention_segment_keys`` keys
+merged in order (flash-decoding): lengths here span one, two and three segments, and
+chunks that straddle a segment's end."""
 
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ from llmserve.attention.kv_format import KV_CACHE_DTYPES, PagedKVCache
 from llmserve.csrc import cpu_ops
 
 HQ, HKV, D, BS = 9, 3, 64, 16
+SEGMENT = cpu_ops().attention_segment_keys if cpu_ops() is not None else 512
 NO_KERNELS = "compiled CPU kernels unavailable (no C++ compiler, or LLMSERVE_CPU_KERNELS=0)"
 BACKENDS = ["torch_paged",
             pytest.param("cpu_paged", marks=pytest.mark.skipif(
@@ -97,13 +102,18 @@ def test_compiled_rows_do_not_depend_on_the_chunk(kv_dtype: str, window: int | N
     prefill chunk at any offset of its tiles, or in a chunk of a different length; and
     whatever the cache holds past a row's own position (written by a longer chunk, or not
     yet)."""
-    lengths = {0: 200}
+    for n in (200, 2 * SEGMENT + 100):  # one segment, and three
+        _check_chunks(kv_dtype, window, n)
+
+
+def _check_chunks(kv_dtype: str, window: int | None, n: int) -> None:
+    lengths = {0: n}
     kv, q, blocks, num_blocks = _problem(lengths)
 
     def cache() -> PagedKVCache:
         return PagedKVCache.allocate(kv_dtype, num_blocks, BS, HKV, D, torch.device("cpu"))
 
-    whole = _run("cpu_paged", [(0, 200, blocks[0])], cache(), kv, q, window)[0]
+    whole = _run("cpu_paged", [(0, n, blocks[0])], cache(), kv, q, window)[0]
     for n_query in (1, 3, 13, 64):
         part = _run("cpu_paged", [(0, n_query, blocks[0])], cache(), kv, q, window)[0]
         assert torch.equal(part, whole[-n_query:]), n_query
@@ -112,6 +122,14 @@ def test_compiled_rows_do_not_depend_on_the_chunk(kv_dtype: str, window: int | N
     first = _run("cpu_paged", [(0, 150, blocks[0])], cache(), short, {0: q[0][:150]},
                  window)[0]
     assert torch.equal(first, whole[:150])
+    if n > SEGMENT + 20:
+        # A chunk whose rows straddle the end of the first segment, against the same rows
+        # decoded one at a time (one segment for the first, two for the rest).
+        end = SEGMENT + 20
+        upto = {0: (kv[0][0][:end], kv[0][1][:end])}
+        chunk = _run("cpu_paged", [(0, 37, blocks[0])], cache(), upto, {0: q[0][:end]},
+                     window)[0]
+        assert torch.equal(chunk, whole[end - 37:end])
 
 
 @pytest.mark.skipif(cpu_ops() is None, reason=NO_KERNELS)
@@ -158,6 +176,17 @@ def test_sliding_window_matches_float64_reference(backend: str, kv_dtype: str, w
     _check_against_float64(backend, kv_dtype, D, window)
 
 
+@pytest.mark.parametrize("window", [None, 40, SEGMENT + 100])
+@pytest.mark.parametrize("kv_dtype", ["float32", "int8"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_long_contexts_match_float64_reference(backend: str, kv_dtype: str,
+                                               window: int | None):
+    """Rows of two and three segments, windows that start inside a segment or span two,
+    and a prefill chunk that straddles a segment's end."""
+    _check_against_float64(backend, kv_dtype, D, window,
+                           lengths={0: 2 * SEGMENT + 70, 1: SEGMENT + 9}, n_query=20)
+
+
 @pytest.mark.skipif(cpu_ops() is None, reason=NO_KERNELS)
 @pytest.mark.parametrize("head_dim", [16, 80, 128])
 def test_compiled_int8_pairs_any_head_dim(head_dim: int):
@@ -167,11 +196,11 @@ def test_compiled_int8_pairs_any_head_dim(head_dim: int):
 
 
 def _check_against_float64(backend: str, kv_dtype: str, d: int,
-                           window: int | None = None) -> None:
-    lengths = {0: 70, 1: 5, 2: 33}
+                           window: int | None = None, lengths: dict[int, int] | None = None,
+                           n_query: int = 5) -> None:
+    lengths = lengths or {0: 70, 1: 5, 2: 33}
     kv, q, blocks, num_blocks = _problem(lengths, d)
     cache = PagedKVCache.allocate(kv_dtype, num_blocks, BS, HKV, d, torch.device("cpu"))
-    n_query = 5
     outs = _run(backend, [(s, n_query, blocks[s]) for s in lengths], cache, kv, q, window)
     for s, out in zip(lengths, outs):
         # The reference reads what the cache holds, so only the attention math is compared.
@@ -181,8 +210,8 @@ def _check_against_float64(backend: str, kv_dtype: str, d: int,
         k_all = k_all.reshape(-1, HKV, d)[: lengths[s]].double()
         v_all = v_all.reshape(-1, HKV, d)[: lengths[s]].double()
         integer = backend == "cpu_paged" and cache.pack == 2
-        for i in range(n_query):
-            pos = lengths[s] - n_query + i
+        for i in range(min(n_query, lengths[s])):
+            pos = lengths[s] - min(n_query, lengths[s]) + i
             lo = 0 if window is None else max(0, pos - window + 1)
             qi = q[s][pos].view(HKV, HQ // HKV, d)
             if integer:
@@ -193,7 +222,7 @@ def _check_against_float64(backend: str, kv_dtype: str, d: int,
             weights = p
             if integer:
                 vs = cache.value_scale[ids].transpose(1, 2).reshape(-1, HKV)[: pos + 1]
-                weights = _weights_rounded_to_16_bits(p, vs.double())
+                weights = _weights_rounded_to_16_bits(scores, vs.double())
             ref = torch.einsum("hgl,lhd->hgd", weights / p.sum(-1, keepdim=True),
                                v_all[: pos + 1])
             # A weight on a rounding tie may land one code away from the reference's:
@@ -209,17 +238,26 @@ def _rounded_to_16_bits(q: torch.Tensor) -> torch.Tensor:
     return torch.round(q * (1 / s)) * s
 
 
-def _weights_rounded_to_16_bits(p: torch.Tensor, vs: torch.Tensor) -> torch.Tensor:
-    """Softmax numerators ``p`` [Hkv, G, L] (at most 1) as the same kernel weighs the
-    values: ``w = p vs`` (``vs`` [L, Hkv] the values' scales) rounded to 16 bits of each
-    block's largest scale, ``round(w / sw) sw`` with ``sw = max vs / 32767``; returned
-    divided by ``vs`` again, as weights of the dequantized values."""
+def _weights_rounded_to_16_bits(scores: torch.Tensor, vs: torch.Tensor) -> torch.Tensor:
+    """Softmax numerators of ``scores`` [Hkv, G, L] (-inf where a key is not seen) as the
+    same kernel weighs the values, segment by segment: ``p = exp(score - the segment's
+    max)`` (at most 1), ``w = p vs`` (``vs`` [L, Hkv] the values' scales) rounded to 16 bits
+    of each block's largest scale, ``round(w / sw) sw`` with ``sw = max vs / 32767``, then
+    times ``exp(segment max - row max)`` as the segments are merged; returned divided by
+    ``vs`` again, as weights of the dequantized values."""
     vs = vs.t().unsqueeze(1)
-    w = p * vs
-    out = torch.empty_like(w)
-    for b in range(0, w.shape[-1], BS):
-        sw = vs[..., b:b + BS].amax(-1, keepdim=True) / 32767
-        out[..., b:b + BS] = torch.round(w[..., b:b + BS] / sw) * sw
+    out = torch.zeros_like(scores)
+    row_max = scores.amax(-1, keepdim=True)
+    for s in range(0, scores.shape[-1], SEGMENT):
+        seg = scores[..., s:s + SEGMENT]
+        seg_max = seg.amax(-1, keepdim=True)
+        if torch.isinf(seg_max).all():
+            continue  # no key of this segment is seen
+        w = (seg - seg_max).exp() * vs[..., s:s + SEGMENT]
+        for b in range(0, w.shape[-1], BS):
+            sw = vs[..., s + b:s + b + BS].amax(-1, keepdim=True) / 32767
+            out[..., s + b:s + b + BS] = torch.round(w[..., b:b + BS] / sw) * sw
+        out[..., s:s + SEGMENT] *= (seg_max - row_max).exp()
     return out / vs
 
 

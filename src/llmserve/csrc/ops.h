@@ -31,6 +31,10 @@ inline void check_out(const at::Tensor& out, int64_t rows, int64_t cols, const c
               name, " must be a contiguous float32 [", rows, ", ", cols, "] tensor");
 }
 
+// Paged attention takes a row's keys in segments of this many (rounded to whole blocks) at
+// fixed positions of its sequence, one work item each, merged in order (flash-decoding).
+constexpr int64_t kSegmentKeys = 512;
+
 // Each op returning a new tensor has an `_out` variant writing into the last argument.
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& key_cache,
                            const at::Tensor& value_cache,

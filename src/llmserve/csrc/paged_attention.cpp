@@ -101,6 +101,12 @@ inline void prefetch(const void* p, int64_t bytes) {
   for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i);
 }
 
+// The same into the L2 cache only (for data needed a while later).
+inline void prefetch_l2(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i, 0, 2);
+}
+
 constexpr int kScoreRows = 4;  // most query vectors scored together (one accumulator each)
 
 // dst[b][u * stride + lane] = (sum_d q_u[d] kt[b][d * ld + lane]) * ks[b], over d in order
@@ -428,15 +434,32 @@ struct Problem {
   float* out;
   float sm_scale;
   int64_t window;  // keys a row sees, ending at its own position (0: all of them)
+  int64_t seg_keys;  // keys of a segment (below): kSegmentKeys in whole blocks
 };
 
-// Query rows [t0, t0 + rows) of sequence b against KV head h: nq = rows * group query
-// vectors, row-major (r, g), each seeing keys [qfirst[i], qlen[i]) (qfirst is 0 but for a
-// sliding window), over blocks [first_block, num_blocks) of the sequence's table (blocks
-// before first_block are out of every row's window and are never read).
+// Keys are taken in segments of kSegmentKeys (ops.h) at fixed positions of the sequence:
+// keys [s S, (s + 1) S) form segment s. A row that sees keys of one segment only is
+// computed by one item, as a plain softmax; a row that sees several has one item per
+// segment, each leaving the segment's unnormalized sum of values with its max score and its
+// sum of softmax numerators, and the last of them to finish merges these in segment order
+// (flash-decoding). Which segments a row has depends on its own position alone, so its
+// arithmetic stays the same in any batch. One long sequence then spreads over every thread
+// (a lone decode had only its KV heads to share out: 3 on 2 threads left one idle for a
+// third of the time), and an item's scores stay a few kB a query vector.
+
+// Query rows [t0, t0 + rows) of sequence b against KV head h, over the keys of one segment:
+// nq = rows * group query vectors, row-major (r, g), each seeing the keys [qfirst[i],
+// qlen[i]) counted from key k0 (qfirst is 0 but for a sliding window or a segment's start;
+// qlen <= qfirst: the row sees none of these keys), over blocks [first_block, num_blocks) of
+// the sequence's table (k0 = first_block * block_size; blocks out of the segment, or out of
+// every row's window, are never read).
 struct Item {
-  int64_t b, t0, rows, h, nq, first_block, num_blocks;
+  int64_t b, t0, rows, h, nq, first_block, num_blocks, k0;
   const int64_t* table;
+  // Null when the item covers every key of its rows: it writes their output. Otherwise
+  // where it leaves each vector's partial result, [nq][head_dim + 2] (sum of values, max
+  // score, sum of numerators).
+  float* partial;
   int64_t qlen[kTile * 64];
   int64_t qfirst[kTile * 64];
   const float* qptrs[kTile * 64];
@@ -449,41 +472,115 @@ struct Scratch {
   std::vector<float> sw, vsn;
 };
 
-// Calls body(item, scratch) for every (sequence, tile of up to kTile query rows, KV head),
-// over the threads.
+// The first key a query row sees, of its `len` (its position + 1).
+inline int64_t first_key(const Problem& p, int64_t len) {
+  return p.window > 0 ? std::max<int64_t>(0, len - p.window) : 0;
+}
+
+// One tile of up to kTile query rows of a sequence, with the segments its rows see.
+struct Tile {
+  int64_t b, t0, rows, first_seg, num_segs;
+  int64_t partial;  // offset of its partial results in the call's buffer (num_segs > 1)
+};
+
+// out rows [t0, t0 + rows) of KV head h from their segments' partial results (laid out
+// [segment][nq][head_dim + 2] from `partial`): per query vector, over its own segments in
+// order, M = the largest max, L = sum e^(m_s - M) l_s, out = (sum e^(m_s - M) a_s) / L.
+// A row of one segment gets a_s / l_s, bit for bit what an item writes directly.
+void merge_segments(const Problem& p, const Tile& t, int64_t h, const float* partial) {
+  const int64_t nq = t.rows * p.group, width = p.head_dim + 2;
+  float a[512];
+  for (int64_t r = 0; r < t.rows; ++r) {
+    const int64_t len = p.pos[t.t0 + r] + 1;
+    const int64_t s0 = first_key(p, len) / p.seg_keys - t.first_seg;
+    const int64_t s1 = (len - 1) / p.seg_keys - t.first_seg;
+    float* o = p.out + ((t.t0 + r) * p.num_heads + h * p.group) * p.head_dim;
+    for (int64_t g = 0; g < p.group; ++g) {
+      const float* part = partial + (r * p.group + g) * width;
+      float m = -std::numeric_limits<float>::infinity();
+      for (int64_t s = s0; s <= s1; ++s) m = std::max(m, part[s * nq * width + p.head_dim]);
+      float sum = 0.f;
+      std::fill(a, a + p.head_dim, 0.f);
+      for (int64_t s = s0; s <= s1; ++s) {
+        const float* seg = part + s * nq * width;
+        const float f = seg[p.head_dim] == m ? 1.f : std::exp(seg[p.head_dim] - m);
+        sum += f * seg[p.head_dim + 1];
+        for (int64_t d = 0; d < p.head_dim; d += kLanes)
+          vstore(a + d, vfma(vsplat(f), vload(seg + d), vload(a + d)));
+      }
+      const vfloat inv = vsplat(1.f / sum);
+      for (int64_t d = 0; d < p.head_dim; d += kLanes)
+        vstore(o + g * p.head_dim + d, vload(a + d) * inv);
+    }
+  }
+}
+
+// Calls body(item, scratch) for every (tile of up to kTile query rows of a sequence, KV
+// head, segment of keys its rows see), over the threads, and merges the segments of tiles
+// that have several.
 template <typename F>
 void for_each_item(const Problem& p, int64_t num_seqs, F&& body) {
-  c10::SmallVector<int64_t, 64> item_seq, item_row;  // on the stack for small steps
+  c10::SmallVector<Tile, 64> tiles;  // on the stack for small steps
+  int64_t partial_floats = 0;
   for (int64_t b = 0; b < num_seqs; ++b)
     for (int64_t t = p.qstart[b]; t < p.qstart[b + 1]; t += kTile) {
-      item_seq.push_back(b);
-      item_row.push_back(t);
+      const int64_t rows = std::min<int64_t>(kTile, p.qstart[b + 1] - t);
+      int64_t max_len = 0, min_first = INT64_MAX;
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t len = p.pos[t + r] + 1;
+        max_len = std::max(max_len, len);
+        min_first = std::min(min_first, first_key(p, len));
+      }
+      TORCH_CHECK(max_len <= p.max_blocks * p.block_size, "position past the block table");
+      const int64_t first_seg = min_first / p.seg_keys;
+      const int64_t num_segs = (max_len - 1) / p.seg_keys - first_seg + 1;
+      tiles.push_back({b, t, rows, first_seg, num_segs, partial_floats});
+      if (num_segs > 1)
+        partial_floats += p.num_kv_heads * num_segs * rows * p.group * (p.head_dim + 2);
     }
-  const int64_t num_items = static_cast<int64_t>(item_seq.size()) * p.num_kv_heads;
+  // Units of work: (tile, segment), each for every KV head.
+  c10::SmallVector<int64_t, 64> unit_tile, unit_seg, cost;
+  for (size_t t = 0; t < tiles.size(); ++t)
+    for (int64_t s = 0; s < tiles[t].num_segs; ++s) {
+      unit_tile.push_back(static_cast<int64_t>(t));
+      unit_seg.push_back(tiles[t].first_seg + s);
+      int64_t keys = 0;  // what the unit's rows see of the segment
+      for (int64_t r = 0; r < tiles[t].rows; ++r) {
+        const int64_t len = p.pos[tiles[t].t0 + r] + 1;
+        const int64_t lo = (tiles[t].first_seg + s) * p.seg_keys;
+        keys += std::max<int64_t>(
+            0, std::min(len, lo + p.seg_keys) - std::max(first_key(p, len), lo));
+      }
+      cost.push_back(keys);
+    }
+  const int64_t num_units = static_cast<int64_t>(unit_tile.size());
+  const int64_t num_items = num_units * p.num_kv_heads;
   // Items differ in cost (rows x keys): a prefill chunk's tiles beside decodes of short and
   // long sequences. Threads take them from a shared counter, costliest first, so that none
   // idles while another still has a long list (an even split of the range left one thread
-  // waiting on the other). With tiles to spare, a thread takes every KV head of a tile at
+  // waiting on the other). With units to spare, a thread takes every KV head of a unit at
   // once (neighbouring slices of the same blocks); with few, one item at a time, so that a
   // single sequence's heads still spread over the threads. Which thread computes an item
   // does not change its arithmetic.
   c10::SmallVector<int64_t, 64> order(static_cast<size_t>(num_items));
-  {
-    c10::SmallVector<int64_t, 64> cost(item_seq.size());
-    for (size_t t = 0; t < item_seq.size(); ++t) {
-      const int64_t last =
-          std::min<int64_t>(item_row[t] + kTile, p.qstart[item_seq[t] + 1]) - 1;
-      cost[t] = (last - item_row[t] + 1) * (p.pos[last] + 1);
-    }
-    for (int64_t i = 0; i < num_items; ++i) order[i] = i;
-    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
-      return cost[a / p.num_kv_heads] > cost[b / p.num_kv_heads];
-    });
-  }
+  for (int64_t i = 0; i < num_items; ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+    return cost[a / p.num_kv_heads] > cost[b / p.num_kv_heads];
+  });
+  // Kept by the calling thread from call to call, like the workers' scratch.
+  static thread_local std::vector<float> partials;
+  static thread_local std::vector<int32_t> pending;  // per (tile, head): segments to go
+  partials.resize(static_cast<size_t>(partial_floats));
+  pending.resize(tiles.size() * p.num_kv_heads);
+  for (size_t t = 0; t < tiles.size(); ++t)
+    std::fill_n(pending.begin() + t * p.num_kv_heads, p.num_kv_heads,
+                static_cast<int32_t>(tiles[t].num_segs));
+  float* const partial_base = partials.data();
+  int32_t* const pending_base = pending.data();
+
   std::atomic<int64_t> next_item{0};
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), num_items);
-  const int64_t grab =
-      static_cast<int64_t>(item_seq.size()) >= 4 * workers ? p.num_kv_heads : 1;
+  const int64_t grab = num_units >= 4 * workers ? p.num_kv_heads : 1;
 
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     const FlushDenormals ftz;
@@ -494,31 +591,52 @@ void for_each_item(const Problem& p, int64_t num_seqs, F&& body) {
     // Each take is `grab` consecutive entries of `order`, computed one item after another.
     for (int64_t k0; (k0 = next_item.fetch_add(grab, std::memory_order_relaxed)) < num_items;)
     for (int64_t k = k0; k < std::min(k0 + grab, num_items); ++k) {
-      const int64_t item = order[k];
-      const int64_t tile = item / p.num_kv_heads;
+      const int64_t item = order[k], unit = item / p.num_kv_heads;
+      const Tile& tile = tiles[unit_tile[unit]];
+      const int64_t seg = unit_seg[unit];
+      const int64_t seg_lo = seg * p.seg_keys, seg_hi = seg_lo + p.seg_keys;
       it.h = item % p.num_kv_heads;
-      it.b = item_seq[tile];
-      it.t0 = item_row[tile];
-      it.rows = std::min<int64_t>(kTile, p.qstart[it.b + 1] - it.t0);
+      it.b = tile.b;
+      it.t0 = tile.t0;
+      it.rows = tile.rows;
       it.nq = it.rows * p.group;
       it.table = p.tables + it.b * p.max_blocks;
-      int64_t max_len = 0, min_first = INT64_MAX;
+      int64_t lo = INT64_MAX, hi = 0;  // keys any row sees in the segment
+      for (int64_t r = 0; r < it.rows; ++r) {
+        const int64_t len = p.pos[it.t0 + r] + 1;
+        const int64_t first = std::max(first_key(p, len), seg_lo), end = std::min(len, seg_hi);
+        if (first < end) {
+          lo = std::min(lo, first);
+          hi = std::max(hi, end);
+        }
+      }
+      if (lo >= hi) lo = hi = 0;  // no row sees this segment (cannot happen in a chunk)
+      it.first_block = lo / p.block_size;
+      it.num_blocks = (hi + p.block_size - 1) / p.block_size;
+      it.k0 = it.first_block * p.block_size;
       for (int64_t r = 0, i = 0; r < it.rows; ++r) {
         const int64_t len = p.pos[it.t0 + r] + 1;
-        const int64_t first = p.window > 0 ? std::max<int64_t>(0, len - p.window) : 0;
-        max_len = std::max(max_len, len);
-        min_first = std::min(min_first, first);
+        int64_t first = std::max(first_key(p, len), seg_lo) - it.k0;
+        int64_t end = std::min(len, seg_hi) - it.k0;
+        if (end <= first) first = end = 0;
         const float* row = p.q + (it.t0 + r) * p.q_stride + it.h * p.group * p.head_dim;
         for (int64_t g = 0; g < p.group; ++g, ++i) {
-          it.qlen[i] = len;
+          it.qlen[i] = end;
           it.qfirst[i] = first;
           it.qptrs[i] = row + g * p.head_dim;
         }
       }
-      TORCH_CHECK(max_len <= p.max_blocks * p.block_size, "position past the block table");
-      it.num_blocks = (max_len + p.block_size - 1) / p.block_size;
-      it.first_block = min_first / p.block_size;
+      const int64_t head_floats = tile.num_segs * it.nq * (p.head_dim + 2);
+      it.partial = tile.num_segs == 1 ? nullptr
+                                      : partial_base + tile.partial + it.h * head_floats +
+                                            (seg - tile.first_seg) * it.nq * (p.head_dim + 2);
       body(it, scratch);
+      // The last segment of a (tile, head) to finish merges them all (acquiring what the
+      // others left).
+      if (it.partial &&
+          __atomic_sub_fetch(pending_base + unit_tile[unit] * p.num_kv_heads + it.h, 1,
+                             __ATOMIC_ACQ_REL) == 0)
+        merge_segments(p, tile, it.h, partial_base + tile.partial + it.h * head_floats);
     }
   });
 }
@@ -549,18 +667,37 @@ struct BlockReader {
                                                            it.num_blocks); ++i)
       fetch(i);
   }
+  // Block i's data into L2 (values, while the scores are computed).
+  void fetch_later(int64_t i) const {
+    if (i < it.num_blocks) prefetch_l2(data(i), p.head_elems * sizeof(T));
+  }
+  // Every block's scales (a line each for blocks of 16), read one after another by the
+  // int8 path's weight scales: asked for at once, they arrive together.
+  void fetch_scales() const {
+    if (scales)
+      for (int64_t i = it.first_block; i < it.num_blocks; ++i)
+        prefetch(scale(i), p.block_size * sizeof(float));
+  }
 };
 
-// Scores of every query vector of the item against every key (also past a vector's own
-// length: those lanes are scratch), two blocks at a time, a column of 16 keys at a time:
+// Scores of every query vector of the item against every key of its blocks (also past a
+// vector's own length: those lanes are scratch), stored from key k0 on, two blocks at a
+// time, a column of 16 keys at a time:
 // score(nb, kt, ks, i, n, dst) fills query vectors [i, i + n) for the column of nb blocks,
 // kt[b] the column's first keys (P elements each), ks[b] their scales times sm_scale.
+// The values' blocks are fetched into L2 on the way, for the weighted sums after.
 template <typename T, typename F>
-void for_each_score_tile(const BlockReader<T>& keys, const Item& it, int64_t bs, int64_t pack,
-                         int64_t stride, float* scores, float sm_scale, F&& score) {
+void for_each_score_tile(const BlockReader<T>& keys, const BlockReader<T>& values,
+                         const Item& it, int64_t bs, int64_t pack, int64_t stride,
+                         float* scores, float sm_scale, F&& score) {
+  keys.fetch_scales();
+  values.fetch_scales();
   for (int64_t blk = it.first_block; blk < it.num_blocks; blk += 2) {
     const int nb = blk + 1 < it.num_blocks ? 2 : 1;
-    for (int b = 0; b < nb; ++b) keys.fetch(blk + b + kAhead);
+    for (int b = 0; b < nb; ++b) {
+      keys.fetch(blk + b + kAhead);
+      values.fetch_later(blk + b);
+    }
     for (int64_t c = 0; c < bs; c += kLanes) {
       const T* kt[2];
       vfloat ks[2];
@@ -569,8 +706,8 @@ void for_each_score_tile(const BlockReader<T>& keys, const Item& it, int64_t bs,
         ks[b] = keys.scales ? vload(keys.scale(blk + b) + c) * sm_scale : vsplat(sm_scale);
       }
       for (int64_t i = 0; i < it.nq; i += kScoreRows) {
-        float* const dst[2] = {scores + i * stride + blk * bs + c,
-                               scores + i * stride + (blk + 1) * bs + c};
+        float* const dst[2] = {scores + i * stride + blk * bs - it.k0 + c,
+                               scores + i * stride + (blk + 1) * bs - it.k0 + c};
         score(nb, kt, ks, i, std::min<int64_t>(kScoreRows, it.nq - i), dst);
       }
     }
@@ -579,14 +716,17 @@ void for_each_score_tile(const BlockReader<T>& keys, const Item& it, int64_t bs,
 
 // Softmax numerators of each query vector's scores, in place (lanes past a vector's length
 // are scratch); the max is exact in any order, the sum runs lane-wise over whole vectors,
-// then the tail in order: a fixed order for a given length. inv_sum[i] = 1 / the sum.
-// Keys before a vector's window (qfirst) get exact zeros, whatever was there (scores of
-// blocks the item did not read are never written): the row's sum is then the same
-// whichever blocks its item skipped.
-void softmax_numerators(float* scores, int64_t stride, const Item& it, float* inv_sum) {
+// then the tail in order: a fixed order for a given length. row_max[i] = the largest score,
+// row_sum[i] = the sum of the numerators; vectors that see none of the item's keys are left
+// alone. Keys before a vector's first (qfirst) get exact zeros, whatever was there (scores
+// of blocks the item did not read are never written): the row's sum is then the same
+// whichever blocks its item skipped (k0 moves by whole blocks, whole vectors of zeros).
+void softmax_numerators(float* scores, int64_t stride, const Item& it, float* row_max,
+                        float* row_sum) {
   for (int64_t i = 0; i < it.nq; ++i) {
     float* sc = scores + i * stride;
     const int64_t n = it.qlen[i], body = n - n % kLanes, first = it.qfirst[i];
+    if (n <= first) continue;
     if (first > 0) std::fill(sc, sc + first, -std::numeric_limits<float>::infinity());
     float m = sc[0];
     if (body > 0) {
@@ -602,16 +742,29 @@ void softmax_numerators(float* scores, int64_t stride, const Item& it, float* in
     for (int64_t j = 0; j < body; j += kLanes) sv += vload(sc + j);
     float sum = vsum(sv);
     for (int64_t j = body; j < n; ++j) sum += sc[j];
-    inv_sum[i] = 1.f / sum;
+    row_max[i] = m;
+    row_sum[i] = sum;
   }
 }
 
-// out rows of the item = acc * inv_sum.
-void write_out(const Problem& p, const Item& it, const float* acc, const float* inv_sum) {
+// The item's results from acc (each vector's sum of values weighted by its numerators): the
+// output rows acc / row_sum when the item covers its rows' every key, else each vector's
+// partial result for merge_segments (vectors that see none of the item's keys are left out:
+// merge_segments does not read them).
+void finish_item(const Problem& p, const Item& it, const float* acc, const float* row_max,
+                 const float* row_sum) {
   for (int64_t r = 0, i = 0; r < it.rows; ++r) {
     float* o = p.out + ((it.t0 + r) * p.num_heads + it.h * p.group) * p.head_dim;
     for (int64_t g = 0; g < p.group; ++g, ++i) {
-      const vfloat inv = vsplat(inv_sum[i]);
+      if (it.qlen[i] <= it.qfirst[i]) continue;
+      if (it.partial) {
+        float* part = it.partial + i * (p.head_dim + 2);
+        std::memcpy(part, acc + i * p.head_dim, p.head_dim * sizeof(float));
+        part[p.head_dim] = row_max[i];
+        part[p.head_dim + 1] = row_sum[i];
+        continue;
+      }
+      const vfloat inv = vsplat(1.f / row_sum[i]);
       for (int64_t d = 0; d < p.head_dim; d += kLanes)
         vstore(o + g * p.head_dim + d, vload(acc + i * p.head_dim + d) * inv);
     }
@@ -626,13 +779,13 @@ void attend_float(const Problem& p, int64_t num_seqs, const T* k_ptr, const T* v
   for_each_item(p, num_seqs, [&](const Item& it, Scratch& s) {
     const BlockReader<T> keys{p, it, k_ptr, p.key_scale}, values{p, it, v_ptr, p.value_scale};
     const int64_t nq = it.nq, num_blocks = it.num_blocks;
-    const int64_t stride = num_blocks * bs;  // scores per query vector
+    const int64_t stride = (num_blocks - it.first_block) * bs;  // scores per query vector
     keys.fetch_first();
     s.scores.resize(static_cast<size_t>(nq * stride));
 
     // 1. Scores: lane c of a vector sums q[d] k_c[d] over d in order; then times scale
     //    (and the key's stored scale).
-    for_each_score_tile(keys, it, bs, 1, stride, s.scores.data(), p.sm_scale,
+    for_each_score_tile(keys, values, it, bs, 1, stride, s.scores.data(), p.sm_scale,
                         [&](int nb, const T* const* kt, const vfloat* ks, int64_t i, int64_t n,
                             float* const* dst) {
       if (nb == 2)
@@ -640,8 +793,8 @@ void attend_float(const Problem& p, int64_t num_seqs, const T* k_ptr, const T* v
       else
         block_scores_n<1>(kt, bs, head_dim, it.qptrs + i, n, ks, dst, stride);
     });
-    float inv_sum[kTile * 64];
-    softmax_numerators(s.scores.data(), stride, it, inv_sum);
+    float row_max[kTile * 64], row_sum[kTile * 64];
+    softmax_numerators(s.scores.data(), stride, it, row_max, row_sum);
     values.fetch_first();
     // 3. Weighted sum of values in key order, a block at a time (its values stay in L1
     //    while every query vector of the item takes its share), then normalize.
@@ -649,7 +802,7 @@ void attend_float(const Problem& p, int64_t num_seqs, const T* k_ptr, const T* v
     for (int64_t blk = it.first_block; blk < num_blocks; ++blk) {
       values.fetch(blk + kAhead);
       const T* v = values.data(blk);
-      const int64_t j0 = blk * bs;
+      const int64_t j0 = blk * bs - it.k0;  // the block's first key in the scores
       const float* vs = p.value_scale ? values.scale(blk) : nullptr;
       // The query vectors of one row share their keys: taken together, up to four.
       for (int64_t i = 0; i < nq; i += group) {
@@ -670,7 +823,7 @@ void attend_float(const Problem& p, int64_t num_seqs, const T* k_ptr, const T* v
             weighted_sum_any(v, w[u], vs, n_keys, head_dim, a[u]);
       }
     }
-    write_out(p, it, s.acc.data(), inv_sum);
+    finish_item(p, it, s.acc.data(), row_max, row_sum);
   });
 }
 
@@ -684,7 +837,7 @@ void attend_int8_pairs(const Problem& p, int64_t num_seqs, const int8_t* k_ptr,
     const BlockReader<int8_t> keys{p, it, k_ptr, p.key_scale},
         values{p, it, v_ptr, p.value_scale};
     const int64_t nq = it.nq, num_blocks = it.num_blocks;
-    const int64_t stride = num_blocks * bs;
+    const int64_t stride = (num_blocks - it.first_block) * bs;
     keys.fetch_first();
     s.scores.resize(static_cast<size_t>(nq * stride));
     s.q16.resize(static_cast<size_t>(nq * head_dim));
@@ -697,7 +850,7 @@ void attend_int8_pairs(const Problem& p, int64_t num_seqs, const int8_t* k_ptr,
     }
 
     // 1. Scores: exact int32 sums over d, then the scales.
-    for_each_score_tile(keys, it, bs, 2, stride, s.scores.data(), p.sm_scale,
+    for_each_score_tile(keys, values, it, bs, 2, stride, s.scores.data(), p.sm_scale,
                         [&](int nb, const int8_t* const* kt, const vfloat* ks, int64_t i,
                             int64_t n, float* const* dst) {
       if (nb == 2)
@@ -706,24 +859,26 @@ void attend_int8_pairs(const Problem& p, int64_t num_seqs, const int8_t* k_ptr,
         block_scores_pairs_n<1>(kt, 2 * bs, pairs, q32 + i, qs + i, n, ks, dst, stride);
     });
     // 2. Softmax numerators, then the weights p vs of each block in 16 bits.
-    float inv_sum[kTile * 64];
-    softmax_numerators(s.scores.data(), stride, it, inv_sum);
+    float row_max[kTile * 64], row_sum[kTile * 64];
+    softmax_numerators(s.scores.data(), stride, it, row_max, row_sum);
     values.fetch_first();
     // Scales of whole blocks, shared by every query vector; a row's last block, if the
-    // row sees only part of it, gets its own.
+    // row sees only part of it, gets its own. Indexed by the block's place in the item
+    // (keys counted from k0, which is a block's first).
+    const int64_t item_blocks = num_blocks - it.first_block;
     s.w16.resize(static_cast<size_t>(nq * stride));
-    s.sw.resize(static_cast<size_t>(num_blocks + it.rows));
+    s.sw.resize(static_cast<size_t>(item_blocks + it.rows));
     s.vsn.resize(static_cast<size_t>(stride + bs));
-    for (int64_t blk = it.first_block; blk < num_blocks; ++blk)
-      s.sw[blk] = weight_scale(values.scale(blk), bs, bs, s.vsn.data() + blk * bs);
+    for (int64_t b = 0; b < item_blocks; ++b)
+      s.sw[b] = weight_scale(values.scale(it.first_block + b), bs, bs, s.vsn.data() + b * bs);
     float* partial_vsn = s.vsn.data() + stride;
     for (int64_t r = 0, i = 0; r < it.rows; ++r) {
       const int64_t len = it.qlen[i], whole = len - len % bs;
       if (whole < len)
-        s.sw[num_blocks + r] = weight_scale(values.scale(whole / bs), len - whole, bs,
-                                            partial_vsn);
+        s.sw[item_blocks + r] = weight_scale(values.scale(it.first_block + whole / bs),
+                                             len - whole, bs, partial_vsn);
       for (int64_t g = 0; g < group; ++g, ++i)
-        for (int64_t j0 = it.first_block * bs; j0 < len; j0 += bs)
+        for (int64_t j0 = 0; j0 < len; j0 += bs)
           round_weights(s.scores.data() + i * stride + j0,
                         j0 < whole ? s.vsn.data() + j0 : partial_vsn, len - j0, bs,
                         s.w16.data() + i * stride + j0);
@@ -734,12 +889,12 @@ void attend_int8_pairs(const Problem& p, int64_t num_seqs, const int8_t* k_ptr,
     for (int64_t blk = it.first_block; blk < num_blocks; ++blk) {
       values.fetch(blk + kAhead);
       const int8_t* v = values.data(blk);
-      const int64_t j0 = blk * bs;
+      const int64_t j0 = blk * bs - it.k0;  // the block's first key in the scores
       for (int64_t r = 0, i = 0; r < it.rows; ++r, i += group) {
         const int64_t n_keys = std::min(bs, it.qlen[i] - j0);
         if (n_keys <= 0) continue;
         // The row's query vectors share its keys, so the weights' scale too.
-        const float sw = s.sw[n_keys < bs ? num_blocks + r : blk];
+        const float sw = s.sw[n_keys < bs ? item_blocks + r : blk - it.first_block];
         const int32_t* w[64];
         float* a[64];
         for (int64_t u = 0; u < group; ++u) {
@@ -750,7 +905,7 @@ void attend_int8_pairs(const Problem& p, int64_t num_seqs, const int8_t* k_ptr,
         weighted_sum_pairs_row(v, head_dim, w, sw, n_pairs, a, group);
       }
     }
-    write_out(p, it, s.acc.data(), inv_sum);
+    finish_item(p, it, s.acc.data(), row_max, row_sum);
   });
 }
 
@@ -783,6 +938,7 @@ void paged_attention_out(const at::Tensor& q, const at::Tensor& key_cache,
   TORCH_CHECK(key_cache.size(2) * pack == q.size(2), "key cache head_dim does not match q");
   TORCH_CHECK(q.size(1) % key_cache.size(1) == 0, "query heads must be a multiple of KV heads");
   TORCH_CHECK(q.size(1) / key_cache.size(1) <= 64, "more than 64 query heads per KV head");
+  TORCH_CHECK(q.size(2) <= 512, "head_dim above 512");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && query_start.scalar_type() == at::kLong &&
                   positions.scalar_type() == at::kLong,
               "index tensors must be int64");
@@ -810,7 +966,8 @@ void paged_attention_out(const at::Tensor& q, const at::Tensor& key_cache,
                   value_scale ? value_scale->data_ptr<float>() : nullptr,
                   out.data_ptr<float>(),
                   static_cast<float>(scale),
-                  window};
+                  window,
+                  std::max<int64_t>(1, kSegmentKeys / block_size) * block_size};
   const int64_t num_seqs = query_start.size(0) - 1;
   if (pairs) {
     attend_int8_pairs(p, num_seqs, key_cache.data_ptr<int8_t>(), value_cache.data_ptr<int8_t>());
