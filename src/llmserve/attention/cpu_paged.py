@@ -5,7 +5,9 @@ keys ``0..position``, or with a sliding window only the last ``window`` of them,
 reading a block that lies wholly before it (see ``csrc/paged_attention.cpp``). A row's
 arithmetic is a fixed sequence of operations that depends only on its own context, so the
 result is the same alone, in any batch, in any prefill chunk and after preemption. Work is
-split over (sequence, tile of query rows, KV head) across the CPU's threads.
+split over (sequence, tile of query rows, KV head, segment of 512 keys) across the CPU's
+threads: a row of a longer context leaves partial sums per segment, merged in segment order
+(flash-decoding), so that one long sequence spreads over every thread too.
 """
 
 from __future__ import annotations
