@@ -43,6 +43,7 @@ def cases() -> dict[str, tuple[list[int], tuple[int, int] | None, int]]:
         "64 decodes x 1030": ([1030] * 64, None, 1),
         "48 decodes + 256-row chunk": (mixed[:48], (256, 1024), 1),
         "prefill 1024": ([], (1024, 0), 1),
+        "prefill chunk 2048 at 2048": ([], (2048, 2048), 1),
         "1 decode x 1024, 30 layers": ([1024], None, 30),
         "1 decode x 4096, 30 layers": ([4096], None, 30),
         "4 decodes x 4096, 30 layers": ([4096] * 4, None, 30),
