@@ -6,8 +6,9 @@ shape, and a ~1B one to leave the launch-bound regime):
 - single-stream decode tokens/s with CUDA graphs and without (``--enforce-eager``), beside
   the bandwidth ceiling: measured device bandwidth / bytes read per token (every weight
   once, plus the sequence's KV cache at its mean length); and with graphs, without
-  asynchronous scheduling and with the split linears' parts added by a second kernel
-  (``LLMSERVE_SPLITK_REDUCE=kernel``), each against the defaults;
+  asynchronous scheduling and without programmatic dependent launch (``LLMSERVE_PDL=0``),
+  each against the defaults;
+- the linear kernel on the 1B model's shapes against cuBLAS, replayed from CUDA graphs;
 - aggregate decode tokens/s at batch 1, 8, 64 and 256 (all sequences decoding together);
 - prefill tokens/s of one prompt of 512 and of 4096 tokens;
 - greedy output identical batched and alone (16 prompts of 1 to 700 tokens).
@@ -215,8 +216,10 @@ def profile_decode(core: EngineCore, prompt: list[int], device: str, path: Path)
 
 
 def linear_table(device: str) -> list[dict]:
-    """The Triton linear kernel against cuBLAS (F.linear) on the 1B model's shapes, by rows:
-    microseconds each (CUDA events, median of 50)."""
+    """The Triton linear kernel (with programmatic dependent launch and without) against
+    cuBLAS (F.linear) on the 1B model's shapes, by rows: microseconds a call and the
+    weight's bytes per second, from a CUDA graph of back-to-back calls over enough copies of
+    the weight (at least 256 MB) that L2 (50 MB) holds none of them between its uses."""
     import torch.nn.functional as F
 
     from llmserve.layers import triton_ops
@@ -225,25 +228,36 @@ def linear_table(device: str) -> list[dict]:
     h, inter = LLAMA_1B["hidden_size"], LLAMA_1B["intermediate_size"]
     for n, k, what in ((3072, h, "qkv"), (h, h, "o"), (2 * inter, h, "gate_up"),
                        (h, inter, "down"), (VOCAB, h, "head")):
-        w = torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02
-        for m in (1, 8, 64, 256, 4096):
+        copies = max(2, -(-(256 << 20) // (n * k * 2)))
+        ws = [torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02
+              for _ in range(copies)]
+        for m in (1, 64, 4096):
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
             row = {"layer": what, "n": n, "k": k, "m": m}
-            for label, fn in (("triton", lambda x=x, w=w: triton_ops.linear(x, w)),
-                              ("cublas", lambda x=x, w=w: F.linear(x, w))):
-                for _ in range(3):
-                    fn()
-                times = []
-                for _ in range(50):
-                    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
-                        enable_timing=True)
-                    s.record()
-                    fn()
-                    e.record()
-                    e.synchronize()
-                    times.append(s.elapsed_time(e) * 1e3)
-                row[label] = sorted(times)[25]
+            for label, pdl, fn in (("triton", True, triton_ops.linear),
+                                   ("triton_no_pdl", False, triton_ops.linear),
+                                   ("cublas", False, F.linear)):
+                triton_ops.PDL = pdl
+                for w in ws:  # compiled, counters allocated: before the capture
+                    fn(x, w)
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    for w in ws:
+                        fn(x, w)
+                graph.replay()
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                for _ in range(10):
+                    graph.replay()
+                torch.cuda.synchronize()
+                us = (time.perf_counter() - start) / (10 * copies) * 1e6
+                row[label] = us
+                row[f"{label}_GBps"] = n * k * 2 / us / 1e3
+                del graph
             rows.append(row)
+        del ws
+    triton_ops.PDL = envs.LLMSERVE_PDL
     return rows
 
 
@@ -256,11 +270,11 @@ def bench_model(name: str, path: Path, params: int, device: str, bw: float, quic
     # Single stream in each mode; the last (the defaults) goes on to the other figures.
     modes = [("eager", {"eager": True}),
              ("graphs_sync", {"eager": False, "async_scheduling": False}),
-             ("graphs_splitk_kernel", {"eager": False, "splitk": "kernel"}),
+             ("graphs_no_pdl", {"eager": False, "pdl": False}),
              ("graphs", {"eager": False})]
     for mode, opts in modes:
         eager = opts["eager"]
-        triton_ops.SPLITK_REDUCE = opts.get("splitk", envs.LLMSERVE_SPLITK_REDUCE)
+        triton_ops.PDL = opts.get("pdl", envs.LLMSERVE_PDL)
         core = engine(path, device, eager, async_scheduling=opts.get("async_scheduling"))
         if not eager:
             res[f"graph_capture_s_{mode}"] = core.runner.graphs.capture_seconds \
@@ -303,7 +317,7 @@ def bench_model(name: str, path: Path, params: int, device: str, bw: float, quic
         res["batched_equals_alone"] = together == alone
         res["graph_replays"] = core.runner.graphs.replays if core.runner.graphs else 0
         del core
-    triton_ops.SPLITK_REDUCE = envs.LLMSERVE_SPLITK_REDUCE
+    triton_ops.PDL = envs.LLMSERVE_PDL
     tokens = [res.pop(f"tokens_{mode}") for mode, _ in modes]
     res["graphs_equal_eager"] = all(t == tokens[0] for t in tokens)  # every mode
     if device.startswith("cuda"):
@@ -335,8 +349,9 @@ def main() -> None:
     if device.startswith("cuda"):
         info["linear_us"] = linear_table(device)
         for r in info["linear_us"]:
-            print(f"  linear {r['layer']} m={r['m']}: triton {r['triton']:.1f} us, cuBLAS "
-                  f"{r['cublas']:.1f} us", flush=True)
+            print(f"  linear {r['layer']} m={r['m']}: triton {r['triton']:.1f} us "
+                  f"({r['triton_GBps']:.0f} GB/s), without PDL {r['triton_no_pdl']:.1f} us, "
+                  f"cuBLAS {r['cublas']:.1f} us ({r['cublas_GBps']:.0f} GB/s)", flush=True)
     shapes = {"smollm2-135m-shape": SMOLLM2_135M, "llama-1b-shape": LLAMA_1B}
     if args.quick:
         shapes = {"tiny": TINY}
@@ -368,13 +383,13 @@ def main() -> None:
               f"{r['batched_equals_alone']} (graphs = eager: {r['graphs_equal_eager']}) |")
     for r in results["models"]:
         ms = [r.get(k) or float("nan") for k in ("gpu_step_ms_graphs_sync", "gpu_step_ms",
-                                                   "gpu_step_ms_graphs_splitk_kernel")]
+                                                   "gpu_step_ms_graphs_no_pdl")]
         print(f"{r['model']}, 1 stream with graphs: async scheduling off / on "
               f"{r['single_graphs_sync']:.0f} / {r['single_graphs']:.0f} tok/s "
-              f"({r['single_graphs'] / r['single_graphs_sync']:.2f}x); split-K parts added "
-              f"by a second kernel / in the linear {r['single_graphs_splitk_kernel']:.0f} / "
-              f"{r['single_graphs']:.0f} tok/s; graph replay ms {ms[0]:.3f} / {ms[1]:.3f}, "
-              f"second kernel {ms[2]:.3f}")
+              f"({r['single_graphs'] / r['single_graphs_sync']:.2f}x); programmatic dependent "
+              f"launch off / on {r['single_graphs_no_pdl']:.0f} / {r['single_graphs']:.0f} "
+              f"tok/s ({r['single_graphs'] / r['single_graphs_no_pdl']:.2f}x); graph replay ms "
+              f"sync {ms[0]:.3f}, default {ms[1]:.3f}, no PDL {ms[2]:.3f}")
 
 
 if __name__ == "__main__":

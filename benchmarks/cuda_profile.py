@@ -2,10 +2,10 @@
 
 On the 1.07B Llama shape of ``cuda_bench.py`` (random bfloat16 weights):
 
-1. for each variant of the linear kernel's configuration (each still a function of the
-   weight's shape alone, so every one stays batch-invariant): the GPU time of one decode
-   step at batch 1 and 64 (back-to-back replays of its CUDA graph) and single-stream
-   decode tokens/s through the engine;
+1. for each variant (programmatic dependent launch off, the linear's weight prefetch under
+   it, the attention kernel's keys per tile and warps; each still batch-invariant): the
+   GPU time of one decode step at batch 1 and 64 (back-to-back replays of its CUDA graph),
+   single-stream decode tokens/s through the engine and the prefill of 4096 tokens;
 2. ``torch.profiler`` over a few eager decode steps of the default variant: device time by
    kernel, summed over the step.
 
@@ -26,37 +26,32 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import cuda_bench as cb
 
+from llmserve import envs
+from llmserve.attention import triton_paged
 from llmserve.layers import triton_ops
 from llmserve.sampling_params import SamplingParams
 
 VARIANTS = {
     "default": {},
-    "bk256": {"block_k": 256},
-    "splits4": {"tiles_per_sm": 4},
-    "stages4": {"stages": 4},
-    "bk256-splits4": {"block_k": 256, "tiles_per_sm": 4},
+    "no-pdl": {"pdl": False},
+    "no-prefetch": {"prefetch": 0},
+    "prefetch16": {"prefetch": 16},
+    "attn-bn32": {"attn_block_n": 32},
+    "attn-bn128": {"attn_block_n": 128},
+    "attn-w2": {"attn_warps": 2},
+    "attn-w8": {"attn_warps": 8},
+    "attn-bn128-w8": {"attn_block_n": 128, "attn_warps": 8},
+    "attn-bn256-w8": {"attn_block_n": 256, "attn_warps": 8},
 }
 
 
-_ORIGINAL = triton_ops.linear_config.__wrapped__  # uncached: reads the module's knobs
-
-
 def apply_variant(v: dict) -> None:
-    triton_ops._TILES_PER_SM = v.get("tiles_per_sm", 2)
-    triton_ops._LINEAR_STAGES = v.get("stages", 3)
-    block_k = v.get("block_k")
-
-    def config(n: int, k: int):
-        bm, bn, _, _ = _ORIGINAL(n, k)
-        if block_k is None or k < block_k or bn > 64:  # 128 x 256 tiles overflow shared memory
-            return _ORIGINAL(n, k)
-        tiles, k_tiles = -(-n // bn), -(-k // block_k)
-        if tiles >= triton_ops._SMS:
-            return bm, bn, block_k, 1
-        splits = min(k_tiles, -(-triton_ops._TILES_PER_SM * triton_ops._SMS // tiles))
-        return bm, bn, block_k, -(-k_tiles // -(-k_tiles // splits))
-
-    triton_ops.linear_config = config
+    """Module knobs read at call time: programmatic dependent launch, the weight tiles a
+    linear prefetches under it, the attention's keys per tile and warps per program."""
+    triton_ops.PDL = v.get("pdl", envs.LLMSERVE_PDL)
+    triton_ops._PREFETCH_TILES = v.get("prefetch", 4)
+    triton_paged.BLOCK_N = v.get("attn_block_n", 64)
+    triton_paged.WARPS = v.get("attn_warps", 4)
 
 
 def replay_ms(core, size: int, repeats: int = 50) -> float:
@@ -91,7 +86,8 @@ def main() -> None:
         cb.run_batch(core, [prompt], 8, "cuda", "warm")
         single = cb.run_batch(core, [prompt], 128, "cuda", "single")
         row = {"replay_ms_b1": replay_ms(core, 1), "replay_ms_b64": replay_ms(core, 64),
-               "single_tok_s": single["decode_tok_s"]}
+               "single_tok_s": single["decode_tok_s"],
+               "prefill_4096_tok_s": cb.prefill_speed(core, 4096, "cuda")}
         results["variants"][name] = row
         print(name, json.dumps(row), flush=True)
         if name == "default" and not args.no_kernels:

@@ -34,6 +34,11 @@ LLMSERVE_GPU_KERNELS: bool = os.environ.get("LLMSERVE_GPU_KERNELS", "1") != "0"
 LLMSERVE_SPLITK_REDUCE: str = os.environ.get("LLMSERVE_SPLITK_REDUCE", "fused")
 if LLMSERVE_SPLITK_REDUCE not in ("fused", "kernel"):
     raise ValueError(f"LLMSERVE_SPLITK_REDUCE={LLMSERVE_SPLITK_REDUCE!r}: 'fused' or 'kernel'")
+# "0" launches the Triton kernels of a step one after another as usual instead of with
+# programmatic dependent launch (Hopper and later GPUs: each kernel starts while the one
+# before it finishes, and a linear fetches its first weights into L2 meanwhile; see
+# layers/triton_ops.py). Read at call time: a comparison on the GPU.
+LLMSERVE_PDL: bool = os.environ.get("LLMSERVE_PDL", "1") != "0"
 # The instruction set the compiled CPU kernels are built for: "native" (this CPU's own, the
 # default), "avx2" (x86-64-v3: AVX2 and FMA, no AVX-512, no VNNI: the portable kernels, as
 # AMD Zen 2/3 run them) or "baseline" (x86-64-v2: no AVX; the integer formats then fall back

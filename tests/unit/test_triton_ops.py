@@ -167,3 +167,63 @@ def test_store_kv_writes_each_token_at_its_slot():
     untouched = torch.ones(64, dtype=torch.bool)
     untouched[slots.cpu()] = False
     assert not kc.view(-1, 2, 32)[untouched.to(DEVICE)].any()
+
+
+PDL_GPU = CUDA and torch.cuda.get_device_capability()[0] >= 9
+
+
+def _layer_kernels(x, w_qkv, w_o, norm_w, cos, sin, positions, kc, vc, slots):
+    """The layer's kernels in a step's order: norm, split and whole-tile linears, rotary,
+    KV store, SiLU, the residual add."""
+    h = triton_ops.rms_norm(x, norm_w, 1e-5)
+    qkv = triton_ops.linear(h, w_qkv)  # [T, 192]: q 4 heads, k and v 1 head of 32
+    q, k, v = qkv[:, :128].view(-1, 4, 32), qkv[:, 128:160].view(-1, 1, 32), qkv[:, 160:]
+    triton_ops.rotary_(q, k, positions, cos, sin)
+    triton_ops.store_kv(k, v.view(-1, 1, 32), kc, vc, slots)
+    act = triton_ops.silu_and_mul(q.reshape(-1, 128))
+    delta = triton_ops.linear(act, w_o)
+    residual = x.clone()
+    return triton_ops.rms_norm(delta, norm_w, 1e-5, residual=residual), residual, qkv
+
+
+@pytest.mark.skipif(not PDL_GPU, reason="programmatic dependent launch needs a GPU of "
+                    "compute capability 9.0 or later (Hopper); run where one is lent")
+def test_programmatic_dependent_launch_gives_the_same_bits(monkeypatch):
+    """With PDL each kernel starts while the one before finishes, waits for it, and a linear
+    prefetches its weights first: the same bits as launching one after another, eagerly
+    and replayed from a CUDA graph (where the launches become programmatic edges)."""
+    x = randn(5, 512, dtype=torch.bfloat16)
+    w_qkv = randn(192, 512, dtype=torch.bfloat16, seed=1)  # split over its inputs
+    w_o = randn(512, 64, dtype=torch.bfloat16, seed=2)
+    assert triton_ops.linear_config(192, 512)[3] > 1
+    norm_w = randn(512, seed=3)
+    rope = RotaryEmbedding(32, 64, 10000.0, RopeScaling()).to(DEVICE)
+    positions = torch.tensor([0, 3, 7, 20, 63], device=DEVICE)
+    slots = torch.tensor([0, 9, 17, 40, 63], device=DEVICE)
+
+    def run():
+        kc = torch.zeros(4, 16, 1, 32, dtype=torch.bfloat16, device=DEVICE)
+        vc = torch.zeros_like(kc)
+        out = _layer_kernels(x, w_qkv, w_o, norm_w, rope.cos[:, 0], rope.sin[:, 1],
+                             positions, kc, vc, slots)
+        return (*out, kc, vc)
+
+    monkeypatch.setattr(triton_ops, "PDL", False)
+    reference = run()
+    monkeypatch.setattr(triton_ops, "PDL", True)
+    assert triton_ops.pdl_for(x)
+    for got, want in zip(run(), reference):
+        assert torch.equal(got, want)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()  # warm-up outside the capture (kernels compiled, counters allocated)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            captured = run()
+    torch.cuda.current_stream().wait_stream(stream)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        for got, want in zip(captured, reference):
+            assert torch.equal(got, want)

@@ -16,6 +16,9 @@ softmax in float32. Every row's arithmetic depends on its own position alone:
   directly (its weight is exp(0) = 1), which the kernel does when every row of a step fits
   one segment.
 
+Both kernels wait for the kernel before them first (``wait_for_inputs``: programmatic
+dependent launch on Hopper and later, see ``layers/triton_ops.py``).
+
 The kernels are written against Triton's basic language only, so they also run under its
 interpreter (``TRITON_INTERPRET=1``) on CPU tensors, where the tests check them. The
 interpreter multiplies 16-bit matrices wrongly (Triton 3.9), so there ``UPCAST`` widens
@@ -29,6 +32,8 @@ import os
 
 import triton
 import triton.language as tl
+
+from llmserve.layers.triton_ops import pdl_for, pdl_launch, wait_for_inputs  # noqa: F401
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
@@ -58,6 +63,7 @@ def paged_attention_kernel(
     HEAD_DIM: tl.constexpr, HEAD_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, SEGMENT: tl.constexpr,
     SCALED: tl.constexpr, WINDOWED: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Grid: (query tiles, KV heads, segments). ``tile_seq``/``tile_first``: each tile's
     sequence and first token (a row of the flat batch); ``seq_lens``: each sequence's
@@ -65,6 +71,7 @@ def paged_attention_kernel(
     With SPLIT, token t's partials for segment s are at entry ``part_start[t] + s`` of
     [entries, query heads] (maximum, sum) and [entries, query heads, HEAD_P] (output):
     a token has entries for segments 0 .. position // SEGMENT only."""
+    wait_for_inputs(PDL)
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_P
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -159,10 +166,11 @@ def combine_segments_kernel(
     positions_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, part_start_ptr, out_ptr, window,
     num_heads, stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, HEAD_P: tl.constexpr, SEGMENT: tl.constexpr,
-    WINDOWED: tl.constexpr,
+    WINDOWED: tl.constexpr, PDL: tl.constexpr,
 ):
     """Grid: (tokens, query heads). Folds the segments a row's keys fall in, in order:
     ``out = sum_s acc_s e^(m_s - M) / sum_s l_s e^(m_s - M)``, M the largest m_s."""
+    wait_for_inputs(PDL)
     token = tl.program_id(0)
     head = tl.program_id(1)
     position = tl.load(positions_ptr + token)

@@ -27,6 +27,7 @@ from llmserve.layers.gpu_kernels import gpu_ops_for
 SEGMENT = 512  # keys per split-K segment
 BLOCK_N = 64  # keys per tile
 BLOCK_M = 64  # query rows per program: BLOCK_Q tokens x the query heads of one KV head
+WARPS = 4  # per program of the attention kernel
 assert SEGMENT % BLOCK_N == 0, "a segment is whole key tiles"
 
 # name -> (storage dtype, largest code for scaled formats, or None when stored as is)
@@ -226,6 +227,7 @@ class TritonPagedBackend:
         v_scale = kv_cache.value_scale if scaled else kv_cache.value
         key, value = kv_cache.key, kv_cache.value
         kern = self._kernels
+        launch = kern.pdl_launch(kern.pdl_for(q))
         kern.paged_attention_kernel[(num_tiles, num_kv_heads, nseg)](
             q, key, value, k_scale, v_scale,
             metadata.block_tables, metadata.seq_lens, metadata.query_start, tile_seq,
@@ -238,13 +240,14 @@ class TritonPagedBackend:
             metadata.block_tables.stride(0), num_heads,
             GROUP=group, GROUP_P=group_p, BLOCK_Q=block_q, HEAD_DIM=head_dim, HEAD_P=head_p,
             BLOCK_SIZE=kv_cache.block_size, BLOCK_N=BLOCK_N, SEGMENT=SEGMENT, SCALED=scaled,
-            WINDOWED=window is not None, SPLIT=metadata.split, UPCAST=kern.INTERPRETED)
+            WINDOWED=window is not None, SPLIT=metadata.split, UPCAST=kern.INTERPRETED,
+            num_warps=WARPS, **launch)
         if metadata.split:
             kern.combine_segments_kernel[(num_tokens, num_heads)](
                 metadata.positions, part_m, part_l, part_acc, part_start, out, window or 0,
                 num_heads, out.stride(0), out.stride(1),
                 HEAD_DIM=head_dim, HEAD_P=head_p, SEGMENT=SEGMENT,
-                WINDOWED=window is not None)
+                WINDOWED=window is not None, **launch)
         return out.view(num_tokens, num_heads * head_dim)
 
 

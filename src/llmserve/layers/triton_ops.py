@@ -21,6 +21,15 @@ back the second launch, ``_sum_splits_kernel``, that adds them instead; both add
 float32 parts in the same order, so they give the same bits, and the switch is there to
 compare them (bits and time) on a GPU.
 
+On Hopper and later GPUs the kernels are launched with programmatic dependent launch
+(PDL): a kernel may start while the one before it is finishing. Each waits for it
+(``gdc_wait``) before it reads an activation or writes anything, then lets the next
+kernel launch; before waiting, a linear asks L2 for the first of its weights, which no
+step writes, so that their fetch overlaps the kernel before (a norm, the attention: a
+handful of multiprocessors busy). The arithmetic is unchanged, and so are the bits.
+``LLMSERVE_PDL=0`` launches them one after another as before (read at call time, through
+this module's ``PDL``).
+
 Each function takes and returns tensors in the activations' dtype (bfloat16, float16 or
 float32) and computes in float32. They run on CUDA tensors, or on CPU tensors under
 Triton's interpreter (``TRITON_INTERPRET=1``), where the tests check them against
@@ -46,25 +55,68 @@ _LINEAR_WARPS, _LINEAR_STAGES = 4, 3
 # time from this module's global, so that tests can switch it.
 SPLITK_REDUCE = envs.LLMSERVE_SPLITK_REDUCE
 _MIN_COUNTERS = 1 << 16  # 256 KiB: every decode and a prefill of 8192 rows x 128 tiles
+PDL = envs.LLMSERVE_PDL  # read at call time, like SPLITK_REDUCE
+_PREFETCH_TILES = 4  # under PDL: a linear program's first weight tiles asked of L2 early
+
+
+@functools.cache
+def _pdl_capable(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def pdl_for(x: torch.Tensor) -> bool:
+    """Whether kernels on ``x``'s device launch with programmatic dependent launch."""
+    return (PDL and not INTERPRETED and x.device.type == "cuda"
+            and _pdl_capable(x.device.index))
+
+
+def pdl_launch(pdl: bool) -> dict:
+    """A kernel's launch options for ``pdl``: its ``PDL`` constexpr, and the launch flag."""
+    return {"PDL": True, "launch_pdl": True} if pdl else {"PDL": False}
+
+
+@triton.jit
+def wait_for_inputs(PDL: tl.constexpr):
+    """Under PDL: wait until the kernel before has finished and its writes are visible, then
+    let the kernel after launch (it waits in turn before it touches anything)."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def _prefetch_l2(ptrs):
+    """Ask L2 for the line at each pointer (no registers filled, nothing waited for)."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [ptrs],
+                              dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit(do_not_specialize=["M"])
 def _linear_kernel(a_ptr, w_ptr, c_ptr, part_ptr, count_ptr, M, N, K, k_per_split,
                    stride_am, stride_wn, stride_cm, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr,
-                   FUSED: tl.constexpr, UPCAST: tl.constexpr):
+                   FUSED: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
+                   PREFETCH_TILES: tl.constexpr, LINES: tl.constexpr):
     """C [M, N] = A [M, K] @ W [N, K]^T: float32 sums over K in tiles of BLOCK_K, in order.
     With SPLITS > 1, program (., ., s) sums inputs [s * k_per_split, (s + 1) * k_per_split)
     into partials [S, M, N] (float32); ``_sum_splits_kernel`` adds them in order, or with
     FUSED the last program to finish the output tile does, as that kernel would: it counts
     the tile's finished parts in ``count_ptr[tile]`` (int32, 0 before the launch and left
-    at 0 after it)."""
+    at 0 after it). Under PDL, the program's first PREFETCH_TILES weight tiles are asked of
+    L2 (LINES cache lines per row of a tile) before it waits for its inputs."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     split = tl.program_id(2)
     k_lo = split * k_per_split
     k_hi = tl.minimum(K, k_lo + k_per_split)
+    if PDL:
+        rows = tl.minimum(rn, N - 1)  # in bounds: a prefetch is never masked
+        lines = tl.arange(0, LINES) * (BLOCK_K // LINES)
+        for k0 in range(k_lo, tl.minimum(k_hi, k_lo + PREFETCH_TILES * BLOCK_K), BLOCK_K):
+            _prefetch_l2(w_ptr + rows[:, None] * stride_wn
+                         + tl.minimum(k0 + lines, K - 1)[None, :])
+    wait_for_inputs(PDL)
     rk = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
@@ -103,7 +155,8 @@ def _linear_kernel(a_ptr, w_ptr, c_ptr, part_ptr, count_ptr, M, N, K, k_per_spli
 
 @triton.jit(do_not_specialize=["M"])
 def _sum_splits_kernel(part_ptr, c_ptr, M, N, stride_cm, SPLITS: tl.constexpr,
-                       BLOCK: tl.constexpr):
+                       BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_for_inputs(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     total = M * N
     ok = offs < total
@@ -176,22 +229,26 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     part = (torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if splits > 1
             else out)
     counters = _tile_counters(x.device, grid[0] * grid[1]) if fused else out
+    pdl = pdl_for(x)
     _linear_kernel[grid](
         x, weight, out, part, counters, m, n, k, k_per_split, x.stride(0), weight.stride(0),
         out.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLITS=splits, FUSED=fused,
-        UPCAST=INTERPRETED, num_warps=_LINEAR_WARPS, num_stages=_LINEAR_STAGES)
+        UPCAST=INTERPRETED, PREFETCH_TILES=_PREFETCH_TILES,
+        LINES=max(1, bk * weight.element_size() // 128),
+        num_warps=_LINEAR_WARPS, num_stages=_LINEAR_STAGES, **pdl_launch(pdl))
     if splits > 1 and not fused:
         block = 1024
         _sum_splits_kernel[(triton.cdiv(m * n, block),)](
-            part, out, m, n, out.stride(0), SPLITS=splits, BLOCK=block)
+            part, out, m, n, out.stride(0), SPLITS=splits, BLOCK=block, **pdl_launch(pdl))
     return out
 
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, delta_ptr, w_ptr, out_ptr, n, eps, stride_x, stride_d, stride_o,
-                     ADD: tl.constexpr, BLOCK: tl.constexpr):
+                     ADD: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """One row: (``x += delta``, rounded to x's dtype, when ADD), then
     ``w * x * rsqrt(mean(x^2) + eps)`` in float32."""
+    wait_for_inputs(PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     ok = cols < n
@@ -217,7 +274,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if rows:
         _rms_norm_kernel[(rows,)](rows_of, x, weight, out, n, eps, rows_of.stride(0),
                                   x.stride(0), out.stride(0), ADD=residual is not None,
-                                  BLOCK=triton.next_power_of_2(n))
+                                  BLOCK=triton.next_power_of_2(n), **pdl_launch(pdl_for(x)))
     return out
 
 
@@ -238,9 +295,11 @@ def _rotate_heads(base, stride_h, heads, cos, sin, HALF: tl.constexpr, HEADS: tl
 @triton.jit
 def _rotary_kernel(q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, stride_qt, stride_qh,
                    stride_kt, stride_kh, stride_table, num_q_heads, num_k_heads,
-                   HALF: tl.constexpr, HEADS: tl.constexpr, HALF_P: tl.constexpr):
+                   HALF: tl.constexpr, HEADS: tl.constexpr, HALF_P: tl.constexpr,
+                   PDL: tl.constexpr):
     """One token, in place: each head's halves (x1, x2) become (x1 cos - x2 sin,
     x2 cos + x1 sin) at the token's position."""
+    wait_for_inputs(PDL)
     t = tl.program_id(0)
     pos = tl.load(pos_ptr + t)
     d = tl.arange(0, HALF_P)
@@ -260,11 +319,13 @@ def rotary_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torc
             q, k, positions, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
             cos.stride(0), num_q, k.shape[1], HALF=dim // 2,
             HEADS=triton.next_power_of_2(max(num_q, k.shape[1])),
-            HALF_P=triton.next_power_of_2(dim // 2))
+            HALF_P=triton.next_power_of_2(dim // 2), **pdl_launch(pdl_for(q)))
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, d, stride_x, stride_o, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, d, stride_x, stride_o, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr):
+    wait_for_inputs(PDL)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < d
@@ -282,16 +343,19 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if rows:
         block = min(1024, triton.next_power_of_2(d))
         _silu_and_mul_kernel[(rows, triton.cdiv(d, block))](
-            gate_up, out, d, gate_up.stride(0), out.stride(0), BLOCK=block)
+            gate_up, out, d, gate_up.stride(0), out.stride(0), BLOCK=block,
+            **pdl_launch(pdl_for(gate_up)))
     return out
 
 
 @triton.jit
 def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, stride_kt, stride_kh,
                      stride_vt, stride_vh, num_heads,
-                     HEAD_DIM: tl.constexpr, HEADS: tl.constexpr, DIM_P: tl.constexpr):
+                     HEAD_DIM: tl.constexpr, HEADS: tl.constexpr, DIM_P: tl.constexpr,
+                     PDL: tl.constexpr):
     """One token's keys and values into their slot: ``cache[slot, h, :]`` (a cache is
     [slots, Hkv, D] contiguous)."""
+    wait_for_inputs(PDL)
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     h = tl.arange(0, HEADS)
@@ -312,4 +376,4 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor,
         _store_kv_kernel[(tokens,)](
             k, v, key_cache, value_cache, slots, k.stride(0), k.stride(1), v.stride(0),
             v.stride(1), heads, HEAD_DIM=dim, HEADS=triton.next_power_of_2(heads),
-            DIM_P=triton.next_power_of_2(dim))
+            DIM_P=triton.next_power_of_2(dim), **pdl_launch(pdl_for(k)))
