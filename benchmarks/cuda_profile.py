@@ -2,8 +2,8 @@
 
 On the 1.07B Llama shape of ``cuda_bench.py`` (random bfloat16 weights):
 
-1. for each variant (programmatic dependent launch off, the linear's weight prefetch under
-   it, the attention kernel's keys per tile and warps; each still batch-invariant): the
+1. for each variant (programmatic dependent launch off, the attention kernel's keys per
+   tile and warps per program; each still batch-invariant): the
    GPU time of one decode step at batch 1 and 64 (back-to-back replays of its CUDA graph),
    single-stream decode tokens/s through the engine and the prefill of 4096 tokens;
 2. ``torch.profiler`` over a few eager decode steps of the default variant: device time by
@@ -34,8 +34,6 @@ from llmserve.sampling_params import SamplingParams
 VARIANTS = {
     "default": {},
     "no-pdl": {"pdl": False},
-    "no-prefetch": {"prefetch": 0},
-    "prefetch16": {"prefetch": 16},
     "attn-bn32": {"attn_block_n": 32},
     "attn-bn128": {"attn_block_n": 128},
     "attn-w2": {"attn_warps": 2},
@@ -46,10 +44,9 @@ VARIANTS = {
 
 
 def apply_variant(v: dict) -> None:
-    """Module knobs read at call time: programmatic dependent launch, the weight tiles a
-    linear prefetches under it, the attention's keys per tile and warps per program."""
+    """Module knobs read at call time: programmatic dependent launch, the attention's keys
+    per tile and warps per program."""
     triton_ops.PDL = v.get("pdl", envs.LLMSERVE_PDL)
-    triton_ops._PREFETCH_TILES = v.get("prefetch", 4)
     triton_paged.BLOCK_N = v.get("attn_block_n", 64)
     triton_paged.WARPS = v.get("attn_warps", 4)
 

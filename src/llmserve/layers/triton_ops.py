@@ -12,7 +12,8 @@ Two reasons to write them rather than call PyTorch:
   works row by row.
 - **Fewer launches.** The PyTorch path of a decoder layer launches about 30 kernels (each
   float cast, the rotary's halves, the residual add and the norm apart); a decode step of
-  a small model is bound by them. Here a layer takes about 10.
+  a small model is bound by them. Here a layer takes 9 (the down projection computes
+  ``silu(gate) * up`` as it loads its input: ``linear(..., gated=True)``).
 
 A linear whose weight is split over its inputs (split-K, see ``linear_config``) adds its
 parts in the same launch: the last program to finish an output tile adds the tile's parts
@@ -23,10 +24,9 @@ compare them (bits and time) on a GPU.
 
 On Hopper and later GPUs the kernels are launched with programmatic dependent launch
 (PDL): a kernel may start while the one before it is finishing. Each waits for it
-(``gdc_wait``) before it reads an activation or writes anything, then lets the next
-kernel launch; before waiting, a linear asks L2 for the first of its weights, which no
-step writes, so that their fetch overlaps the kernel before (a norm, the attention: a
-handful of multiprocessors busy). The arithmetic is unchanged, and so are the bits.
+(``gdc_wait``) before it reads or writes anything, then lets the next kernel launch: a
+kernel's launch and start-up overlap the end of the one before. The arithmetic is
+unchanged, and so are the bits.
 ``LLMSERVE_PDL=0`` launches them one after another as before (read at call time, through
 this module's ``PDL``).
 
@@ -56,7 +56,6 @@ _LINEAR_WARPS, _LINEAR_STAGES = 4, 3
 SPLITK_REDUCE = envs.LLMSERVE_SPLITK_REDUCE
 _MIN_COUNTERS = 1 << 16  # 256 KiB: every decode and a prefill of 8192 rows x 128 tiles
 PDL = envs.LLMSERVE_PDL  # read at call time, like SPLITK_REDUCE
-_PREFETCH_TILES = 4  # under PDL: a linear program's first weight tiles asked of L2 early
 
 
 @functools.cache
@@ -84,45 +83,37 @@ def wait_for_inputs(PDL: tl.constexpr):
         tl.extra.cuda.gdc_launch_dependents()
 
 
-@triton.jit
-def _prefetch_l2(ptrs):
-    """Ask L2 for the line at each pointer (no registers filled, nothing waited for)."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [ptrs],
-                              dtype=tl.int32, is_pure=False, pack=1)
-
 
 @triton.jit(do_not_specialize=["M"])
 def _linear_kernel(a_ptr, w_ptr, c_ptr, part_ptr, count_ptr, M, N, K, k_per_split,
                    stride_am, stride_wn, stride_cm, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr,
-                   FUSED: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
-                   PREFETCH_TILES: tl.constexpr, LINES: tl.constexpr):
+                   FUSED: tl.constexpr, UPCAST: tl.constexpr, GATED: tl.constexpr,
+                   PDL: tl.constexpr):
     """C [M, N] = A [M, K] @ W [N, K]^T: float32 sums over K in tiles of BLOCK_K, in order.
     With SPLITS > 1, program (., ., s) sums inputs [s * k_per_split, (s + 1) * k_per_split)
     into partials [S, M, N] (float32); ``_sum_splits_kernel`` adds them in order, or with
     FUSED the last program to finish the output tile does, as that kernel would: it counts
     the tile's finished parts in ``count_ptr[tile]`` (int32, 0 before the launch and left
-    at 0 after it). Under PDL, the program's first PREFETCH_TILES weight tiles are asked of
-    L2 (LINES cache lines per row of a tile) before it waits for its inputs."""
+    at 0 after it). With GATED, A is ``silu(gate) * up`` of a fused [M, 2K] projection
+    (``a_ptr``), computed as ``_silu_and_mul_kernel`` does and rounded to W's dtype."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     split = tl.program_id(2)
     k_lo = split * k_per_split
     k_hi = tl.minimum(K, k_lo + k_per_split)
-    if PDL:
-        rows = tl.minimum(rn, N - 1)  # in bounds: a prefetch is never masked
-        lines = tl.arange(0, LINES) * (BLOCK_K // LINES)
-        for k0 in range(k_lo, tl.minimum(k_hi, k_lo + PREFETCH_TILES * BLOCK_K), BLOCK_K):
-            _prefetch_l2(w_ptr + rows[:, None] * stride_wn
-                         + tl.minimum(k0 + lines, K - 1)[None, :])
     wait_for_inputs(PDL)
     rk = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         ks = k0 + rk
-        a = tl.load(a_ptr + rm[:, None] * stride_am + ks[None, :],
-                    mask=(rm[:, None] < M) & (ks[None, :] < k_hi), other=0.0)
+        a_ok = (rm[:, None] < M) & (ks[None, :] < k_hi)
+        a = tl.load(a_ptr + rm[:, None] * stride_am + ks[None, :], mask=a_ok, other=0.0)
+        if GATED:
+            up = tl.load(a_ptr + rm[:, None] * stride_am + K + ks[None, :], mask=a_ok,
+                         other=0.0)
+            a = _silu_times(a.to(tl.float32), up.to(tl.float32)).to(w_ptr.dtype.element_ty)
         w = tl.load(w_ptr + rn[None, :] * stride_wn + ks[:, None],
                     mask=(rn[None, :] < N) & (ks[:, None] < k_hi), other=0.0)  # [BK, BN]
         if UPCAST:  # the interpreter multiplies 16-bit matrices wrongly
@@ -212,13 +203,20 @@ def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
     return buffers[-1]
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x`` [M, K] @ ``weight`` [N, K]^T -> [M, N] in the weight's dtype."""
+def linear(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> torch.Tensor:
+    """``x`` [M, K] @ ``weight`` [N, K]^T -> [M, N] in the weight's dtype. With ``gated``,
+    ``x`` is a fused gate/up projection [M, 2K] and the product is of ``silu_and_mul(x)``,
+    computed on the way in (the same bits, one launch and one round trip fewer)."""
     x = x.to(weight.dtype)
     if x.stride(-1) != 1:
         x = x.contiguous()
     m, k = x.shape
     n = weight.shape[0]
+    if gated:
+        if k != 2 * weight.shape[1]:
+            raise ValueError(f"a gated linear of a weight [{n}, {weight.shape[1]}] takes "
+                             f"[M, {2 * weight.shape[1]}] (gate, up), got {tuple(x.shape)}")
+        k //= 2
     out = torch.empty(m, n, dtype=weight.dtype, device=x.device)
     if m == 0:
         return out
@@ -233,9 +231,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     _linear_kernel[grid](
         x, weight, out, part, counters, m, n, k, k_per_split, x.stride(0), weight.stride(0),
         out.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLITS=splits, FUSED=fused,
-        UPCAST=INTERPRETED, PREFETCH_TILES=_PREFETCH_TILES,
-        LINES=max(1, bk * weight.element_size() // 128),
-        num_warps=_LINEAR_WARPS, num_stages=_LINEAR_STAGES, **pdl_launch(pdl))
+        UPCAST=INTERPRETED, GATED=gated, num_warps=_LINEAR_WARPS,
+        num_stages=_LINEAR_STAGES, **pdl_launch(pdl))
     if splits > 1 and not fused:
         block = 1024
         _sum_splits_kernel[(triton.cdiv(m * n, block),)](
@@ -323,6 +320,12 @@ def rotary_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torc
 
 
 @triton.jit
+def _silu_times(gate, up):
+    """``silu(gate) * up`` in float32: one expression for both kernels that compute it."""
+    return gate / (1.0 + tl.exp(-gate)) * up
+
+
+@triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, d, stride_x, stride_o, BLOCK: tl.constexpr,
                          PDL: tl.constexpr):
     wait_for_inputs(PDL)
@@ -331,7 +334,7 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, d, stride_x, stride_o, BLOCK: tl.conste
     ok = cols < d
     gate = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + d + cols, mask=ok, other=0.0).to(tl.float32)
-    out = gate / (1.0 + tl.exp(-gate)) * up
+    out = _silu_times(gate, up)
     tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=ok)
 
 
