@@ -228,20 +228,3 @@ def test_programmatic_dependent_launch_gives_the_same_bits(monkeypatch):
         for got, want in zip(captured, reference):
             assert torch.equal(got, want)
 
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("n,k", [(96, 200), (64, 1024), (700, 33)])
-def test_gated_linear_is_silu_and_mul_then_the_product(dtype, n, k):
-    """The down projection computes ``silu(gate) * up`` as it loads its input: the bits of
-    the two kernels one after the other, split over K or not, and each row alone."""
-    w = randn(n, k, dtype=dtype, seed=9)
-    gate_up = randn(37, 2 * k, dtype=dtype, seed=10)
-    fused = triton_ops.linear(gate_up, w, gated=True)
-    assert torch.equal(fused, triton_ops.linear(triton_ops.silu_and_mul(gate_up), w))
-    for rows in ([0], [3, 4], [36]):
-        assert torch.equal(triton_ops.linear(gate_up[rows], w, gated=True), fused[rows])
-    ref = F.silu(gate_up[:, :k].double()) * gate_up[:, k:].double()
-    tol = 2e-3 if dtype == torch.float32 else 2e-2
-    assert rel_err(fused, ref @ w.double().T) < tol
-    with pytest.raises(ValueError, match=r"takes \[M, "):
-        triton_ops.linear(gate_up[:, :k], w, gated=True)

@@ -12,8 +12,7 @@ Two reasons to write them rather than call PyTorch:
   works row by row.
 - **Fewer launches.** The PyTorch path of a decoder layer launches about 30 kernels (each
   float cast, the rotary's halves, the residual add and the norm apart); a decode step of
-  a small model is bound by them. Here a layer takes 9 (the down projection computes
-  ``silu(gate) * up`` as it loads its input: ``linear(..., gated=True)``).
+  a small model is bound by them. Here a layer takes about 10.
 
 A linear whose weight is split over its inputs (split-K, see ``linear_config``) adds its
 parts in the same launch: the last program to finish an output tile adds the tile's parts
@@ -83,20 +82,17 @@ def wait_for_inputs(PDL: tl.constexpr):
         tl.extra.cuda.gdc_launch_dependents()
 
 
-
 @triton.jit(do_not_specialize=["M"])
 def _linear_kernel(a_ptr, w_ptr, c_ptr, part_ptr, count_ptr, M, N, K, k_per_split,
                    stride_am, stride_wn, stride_cm, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr,
-                   FUSED: tl.constexpr, UPCAST: tl.constexpr, GATED: tl.constexpr,
-                   PDL: tl.constexpr):
+                   FUSED: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr):
     """C [M, N] = A [M, K] @ W [N, K]^T: float32 sums over K in tiles of BLOCK_K, in order.
     With SPLITS > 1, program (., ., s) sums inputs [s * k_per_split, (s + 1) * k_per_split)
     into partials [S, M, N] (float32); ``_sum_splits_kernel`` adds them in order, or with
     FUSED the last program to finish the output tile does, as that kernel would: it counts
     the tile's finished parts in ``count_ptr[tile]`` (int32, 0 before the launch and left
-    at 0 after it). With GATED, A is ``silu(gate) * up`` of a fused [M, 2K] projection
-    (``a_ptr``), computed as ``_silu_and_mul_kernel`` does and rounded to W's dtype."""
+    at 0 after it)."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -108,12 +104,8 @@ def _linear_kernel(a_ptr, w_ptr, c_ptr, part_ptr, count_ptr, M, N, K, k_per_spli
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         ks = k0 + rk
-        a_ok = (rm[:, None] < M) & (ks[None, :] < k_hi)
-        a = tl.load(a_ptr + rm[:, None] * stride_am + ks[None, :], mask=a_ok, other=0.0)
-        if GATED:
-            up = tl.load(a_ptr + rm[:, None] * stride_am + K + ks[None, :], mask=a_ok,
-                         other=0.0)
-            a = _silu_times(a.to(tl.float32), up.to(tl.float32)).to(w_ptr.dtype.element_ty)
+        a = tl.load(a_ptr + rm[:, None] * stride_am + ks[None, :],
+                    mask=(rm[:, None] < M) & (ks[None, :] < k_hi), other=0.0)
         w = tl.load(w_ptr + rn[None, :] * stride_wn + ks[:, None],
                     mask=(rn[None, :] < N) & (ks[:, None] < k_hi), other=0.0)  # [BK, BN]
         if UPCAST:  # the interpreter multiplies 16-bit matrices wrongly
@@ -203,20 +195,13 @@ def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
     return buffers[-1]
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> torch.Tensor:
-    """``x`` [M, K] @ ``weight`` [N, K]^T -> [M, N] in the weight's dtype. With ``gated``,
-    ``x`` is a fused gate/up projection [M, 2K] and the product is of ``silu_and_mul(x)``,
-    computed on the way in (the same bits, one launch and one round trip fewer)."""
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x`` [M, K] @ ``weight`` [N, K]^T -> [M, N] in the weight's dtype."""
     x = x.to(weight.dtype)
     if x.stride(-1) != 1:
         x = x.contiguous()
     m, k = x.shape
     n = weight.shape[0]
-    if gated:
-        if k != 2 * weight.shape[1]:
-            raise ValueError(f"a gated linear of a weight [{n}, {weight.shape[1]}] takes "
-                             f"[M, {2 * weight.shape[1]}] (gate, up), got {tuple(x.shape)}")
-        k //= 2
     out = torch.empty(m, n, dtype=weight.dtype, device=x.device)
     if m == 0:
         return out
@@ -231,8 +216,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> torch.
     _linear_kernel[grid](
         x, weight, out, part, counters, m, n, k, k_per_split, x.stride(0), weight.stride(0),
         out.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLITS=splits, FUSED=fused,
-        UPCAST=INTERPRETED, GATED=gated, num_warps=_LINEAR_WARPS,
-        num_stages=_LINEAR_STAGES, **pdl_launch(pdl))
+        UPCAST=INTERPRETED, num_warps=_LINEAR_WARPS, num_stages=_LINEAR_STAGES,
+        **pdl_launch(pdl))
     if splits > 1 and not fused:
         block = 1024
         _sum_splits_kernel[(triton.cdiv(m * n, block),)](
@@ -320,12 +305,6 @@ def rotary_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torc
 
 
 @triton.jit
-def _silu_times(gate, up):
-    """``silu(gate) * up`` in float32: one expression for both kernels that compute it."""
-    return gate / (1.0 + tl.exp(-gate)) * up
-
-
-@triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, d, stride_x, stride_o, BLOCK: tl.constexpr,
                          PDL: tl.constexpr):
     wait_for_inputs(PDL)
@@ -334,7 +313,7 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, d, stride_x, stride_o, BLOCK: tl.conste
     ok = cols < d
     gate = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + d + cols, mask=ok, other=0.0).to(tl.float32)
-    out = _silu_times(gate, up)
+    out = gate / (1.0 + tl.exp(-gate)) * up
     tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=ok)
 
 

@@ -71,13 +71,6 @@ class LinearMethod(ABC):
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """``x``: [M, in] float32 -> [M, out] float32."""
 
-    def apply_gated(self, layer: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
-        """The product of ``silu(gate) * up``, the halves of a fused [M, 2 * in] gate/up
-        projection. A method whose kernel computes it on the way in overrides this."""
-        from llmserve.layers.activation import silu_and_mul
-
-        return self.apply(layer, silu_and_mul(gate_up))
-
     def fused_kernel(self, layer: nn.Module) -> tuple | None:
         """The compiled kernel ``apply`` calls, as the arguments of ``make_linear_plan``
         after its kind (``("int4", packed, scale_zero, None, out, 0, group)``), for a fused

@@ -144,13 +144,6 @@ class DenseMethod(LinearMethod):
             return F.linear(x.to(weight.dtype), weight)
         return F.linear(x, _widened(weight))
 
-    def apply_gated(self, layer: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
-        weight = getattr(layer, "weight", None)
-        gpu = gpu_ops_for(weight) if weight is not None else None
-        if gpu is not None and gate_up.dim() == 2:  # silu(gate) * up as the kernel loads it
-            return gpu.linear(gate_up, weight, gated=True)
-        return super().apply_gated(layer, gate_up)
-
     def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         if self._ops is not None:
             return unpack_rows(layer.weight_panels, ids).float()
