@@ -8,7 +8,8 @@ shape, and a ~1B one to leave the launch-bound regime):
   once, plus the sequence's KV cache at its mean length); and with graphs, without
   asynchronous scheduling and without programmatic dependent launch (``LLMSERVE_PDL=0``),
   each against the defaults;
-- the linear kernel on the 1B model's shapes against cuBLAS, replayed from CUDA graphs;
+- the linear kernel on the 1B model's shapes against cuBLAS, replayed from CUDA graphs
+  (with and without PDL, and a split weight's parts always in programs of their own);
 - aggregate decode tokens/s at batch 1, 8, 64 and 256 (all sequences decoding together);
 - prefill tokens/s of one prompt of 512 and of 4096 tokens;
 - greedy output identical batched and alone (16 prompts of 1 to 700 tokens).
@@ -225,19 +226,25 @@ def linear_table(device: str) -> list[dict]:
     from llmserve.layers import triton_ops
 
     rows = []
+    in_order_tiles = triton_ops.IN_ORDER_TILES
     h, inter = LLAMA_1B["hidden_size"], LLAMA_1B["intermediate_size"]
     for n, k, what in ((3072, h, "qkv"), (h, h, "o"), (2 * inter, h, "gate_up"),
                        (h, inter, "down"), (VOCAB, h, "head")):
         copies = max(2, -(-(256 << 20) // (n * k * 2)))
         ws = [torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02
               for _ in range(copies)]
-        for m in (1, 64, 4096):
+        split = triton_ops.linear_config(n, k)[3] > 1
+        for m in (1, 64, 1024, 4096):
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
             row = {"layer": what, "n": n, "k": k, "m": m}
-            for label, pdl, fn in (("triton", True, triton_ops.linear),
-                                   ("triton_no_pdl", False, triton_ops.linear),
-                                   ("cublas", False, F.linear)):
+            variants = [("triton", True, in_order_tiles, triton_ops.linear),
+                        ("triton_no_pdl", False, in_order_tiles, triton_ops.linear),
+                        ("cublas", False, in_order_tiles, F.linear)]
+            if split:  # every part its own program, whatever the rows
+                variants.append(("triton_parts", True, 1 << 62, triton_ops.linear))
+            for label, pdl, tiles, fn in variants:
                 triton_ops.PDL = pdl
+                triton_ops.IN_ORDER_TILES = tiles
                 for w in ws:  # compiled, counters allocated: before the capture
                     fn(x, w)
                 torch.cuda.synchronize()
@@ -258,6 +265,7 @@ def linear_table(device: str) -> list[dict]:
             rows.append(row)
         del ws
     triton_ops.PDL = envs.LLMSERVE_PDL
+    triton_ops.IN_ORDER_TILES = in_order_tiles
     return rows
 
 
@@ -349,9 +357,12 @@ def main() -> None:
     if device.startswith("cuda"):
         info["linear_us"] = linear_table(device)
         for r in info["linear_us"]:
+            parts = (f", parts in parallel {r['triton_parts']:.1f} us" if "triton_parts" in r
+                     else "")
             print(f"  linear {r['layer']} m={r['m']}: triton {r['triton']:.1f} us "
-                  f"({r['triton_GBps']:.0f} GB/s), without PDL {r['triton_no_pdl']:.1f} us, "
-                  f"cuBLAS {r['cublas']:.1f} us ({r['cublas_GBps']:.0f} GB/s)", flush=True)
+                  f"({r['triton_GBps']:.0f} GB/s), without PDL {r['triton_no_pdl']:.1f} us"
+                  f"{parts}, cuBLAS {r['cublas']:.1f} us ({r['cublas_GBps']:.0f} GB/s)",
+                  flush=True)
     shapes = {"smollm2-135m-shape": SMOLLM2_135M, "llama-1b-shape": LLAMA_1B}
     if args.quick:
         shapes = {"tiny": TINY}

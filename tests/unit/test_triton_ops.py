@@ -76,6 +76,52 @@ def test_split_linear_sums_its_parts_in_one_launch_with_the_same_bits(dtype, n, 
             assert not counters.any()
 
 
+@pytest.fixture
+def few_multiprocessors(monkeypatch):
+    """linear_config as for a GPU of 8 multiprocessors: small weights split into parts of
+    several tiles of inputs (an H100's parts, at shapes the interpreter runs quickly)."""
+    monkeypatch.setattr(triton_ops, "_SMS", 8)
+    triton_ops.linear_config.cache_clear()
+    yield
+    monkeypatch.undo()
+    triton_ops.linear_config.cache_clear()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,k", [(256, 1024), (200, 1000)])  # parts of 2 tiles of inputs
+def test_split_linear_sums_its_parts_in_one_program_with_the_same_bits(
+        dtype, n, k, monkeypatch, few_multiprocessors):
+    """With rows enough to fill the GPU, one program per tile sums the parts one after
+    another: the bits of one program per part and their fold, without the partials."""
+    _, _, bk, splits = triton_ops.linear_config(n, k)
+    assert 1 < splits < -(-k // bk)  # parts of several tiles: their sums are not the tiles'
+    w = randn(n, k, dtype=dtype, seed=11)
+    for m in (1, 3, 70):
+        x = randn(m, k, dtype=dtype, seed=12 + m)
+        monkeypatch.setattr(triton_ops, "IN_ORDER_TILES", 1 << 30)  # one program per part
+        parts = triton_ops.linear(x, w)
+        monkeypatch.setattr(triton_ops, "IN_ORDER_TILES", 1)  # one program per tile
+        in_order = triton_ops.linear(x, w)
+        assert torch.equal(in_order, parts), m
+        tol = 2e-3 if dtype == torch.float32 else 1e-2
+        assert rel_err(in_order, x.double() @ w.double().T) < tol
+
+
+def test_split_linears_sum_in_order_once_the_tiles_fill_the_gpu():
+    """The choice is of launch, not arithmetic: it may follow the row count."""
+    assert not triton_ops.in_order(48, 6)  # a decode of the 1B model's QKV: 48 tiles
+    assert not triton_ops.in_order(4 * 48, 6)  # 256 rows
+    assert triton_ops.in_order(64 * 48, 6)  # its 4096-row prefill
+    assert not triton_ops.in_order(10_000, 1)  # not split
+    if CUDA:  # rows alone (parts in parallel) against a batch past the threshold (in order)
+        w = randn(160, 600, dtype=torch.bfloat16, seed=2)
+        rows = 64 * -(-triton_ops.IN_ORDER_TILES // 3)  # 3 tiles of columns
+        x = randn(rows, 600, dtype=torch.bfloat16, seed=3)
+        together = triton_ops.linear(x, w)
+        for r in ([0], [5, 6], [rows - 1]):
+            assert torch.equal(triton_ops.linear(x[r], w), together[r]), r
+
+
 def test_split_linear_counters_grow_and_keep_their_predecessors(monkeypatch):
     """A call of more tiles than the counters hold grows them (zeroed); the old buffer is
     kept, since a captured CUDA graph may still count in it."""

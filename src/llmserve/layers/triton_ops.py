@@ -16,10 +16,12 @@ Two reasons to write them rather than call PyTorch:
 
 A linear whose weight is split over its inputs (split-K, see ``linear_config``) adds its
 parts in the same launch: the last program to finish an output tile adds the tile's parts
-(see ``_linear_kernel``). ``LLMSERVE_SPLITK_REDUCE=kernel`` (read once, at import) brings
-back the second launch, ``_sum_splits_kernel``, that adds them instead; both add the same
-float32 parts in the same order, so they give the same bits, and the switch is there to
-compare them (bits and time) on a GPU.
+(see ``_linear_kernel``). ``LLMSERVE_SPLITK_REDUCE=kernel`` (read once, at import)
+brings back the second launch, ``_sum_splits_kernel``, that adds them instead; both add the
+same float32 parts in the same order, so they give the same bits, and the switch is there
+to compare them (bits and time) on a GPU. With rows enough to fill the GPU without the
+split (a prefill), one program per tile sums the parts one after another instead: the same
+operations again, without writing the parts to memory.
 
 On Hopper and later GPUs the kernels are launched with programmatic dependent launch
 (PDL): a kernel may start while the one before it is finishing. Each waits for it
@@ -55,6 +57,11 @@ _LINEAR_WARPS, _LINEAR_STAGES = 4, 3
 SPLITK_REDUCE = envs.LLMSERVE_SPLITK_REDUCE
 _MIN_COUNTERS = 1 << 16  # 256 KiB: every decode and a prefill of 8192 rows x 128 tiles
 PDL = envs.LLMSERVE_PDL  # read at call time, like SPLITK_REDUCE
+# A split linear of at least this many output tiles (four waves of a decode's programs)
+# sums its parts in one program per tile (``in_order``); read at call time, so that tests
+# and benchmarks can switch it. Not yet measured on a GPU: a guess that keeps it to large
+# prefills, whose partials cost several times the product.
+IN_ORDER_TILES = 4 * _TILES_PER_SM * _SMS
 
 
 @functools.cache
@@ -82,24 +89,12 @@ def wait_for_inputs(PDL: tl.constexpr):
         tl.extra.cuda.gdc_launch_dependents()
 
 
-@triton.jit(do_not_specialize=["M"])
-def _linear_kernel(a_ptr, w_ptr, c_ptr, part_ptr, count_ptr, M, N, K, k_per_split,
-                   stride_am, stride_wn, stride_cm, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr,
-                   FUSED: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr):
-    """C [M, N] = A [M, K] @ W [N, K]^T: float32 sums over K in tiles of BLOCK_K, in order.
-    With SPLITS > 1, program (., ., s) sums inputs [s * k_per_split, (s + 1) * k_per_split)
-    into partials [S, M, N] (float32); ``_sum_splits_kernel`` adds them in order, or with
-    FUSED the last program to finish the output tile does, as that kernel would: it counts
-    the tile's finished parts in ``count_ptr[tile]`` (int32, 0 before the launch and left
-    at 0 after it)."""
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    split = tl.program_id(2)
-    k_lo = split * k_per_split
-    k_hi = tl.minimum(K, k_lo + k_per_split)
-    wait_for_inputs(PDL)
+@triton.jit
+def _sum_inputs(a_ptr, w_ptr, rm, rn, M, N, k_lo, k_hi, stride_am, stride_wn,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                UPCAST: tl.constexpr):
+    """One part of a tile: float32 sums from zero over inputs [k_lo, k_hi), in tiles of
+    BLOCK_K, in order."""
     rk = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
@@ -112,8 +107,45 @@ def _linear_kernel(a_ptr, w_ptr, c_ptr, part_ptr, count_ptr, M, N, K, k_per_spli
             a = a.to(tl.float32)
             w = w.to(tl.float32)
         acc = tl.dot(a, w, acc)
+    return acc
+
+
+@triton.jit(do_not_specialize=["M"])
+def _linear_kernel(a_ptr, w_ptr, c_ptr, part_ptr, count_ptr, M, N, K, k_per_split,
+                   stride_am, stride_wn, stride_cm, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr,
+                   IN_ORDER: tl.constexpr, FUSED: tl.constexpr, UPCAST: tl.constexpr,
+                   PDL: tl.constexpr):
+    """C [M, N] = A [M, K] @ W [N, K]^T: float32 sums over K in tiles of BLOCK_K, in order.
+    With SPLITS > 1 the inputs are cut into parts of ``k_per_split``, each summed from zero,
+    and the parts' sums are added in order:
+    - by one program per part: program (., ., s) writes its part to partials [S, M, N]
+      (float32); ``_sum_splits_kernel`` adds them, or with FUSED the last program to finish
+      the output tile does, as that kernel would: it counts the tile's finished parts in
+      ``count_ptr[tile]`` (int32, 0 before the launch and left at 0 after it);
+    - or, with IN_ORDER, by one program per tile, part after part: the same float32
+      operations in the same order (the same bits), without the partials."""
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    wait_for_inputs(PDL)
     ok = (rm[:, None] < M) & (rn[None, :] < N)
-    if SPLITS > 1:
+    out = c_ptr + rm[:, None] * stride_cm + rn[None, :]
+    if IN_ORDER:
+        acc = _sum_inputs(a_ptr, w_ptr, rm, rn, M, N, 0, tl.minimum(K, k_per_split),
+                          stride_am, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
+        for s in range(1, SPLITS):
+            k_lo = s * k_per_split
+            acc += _sum_inputs(a_ptr, w_ptr, rm, rn, M, N, k_lo,
+                               tl.minimum(K, k_lo + k_per_split), stride_am, stride_wn,
+                               BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
+        tl.store(out, acc.to(c_ptr.dtype.element_ty), mask=ok)
+    elif SPLITS > 1:
+        split = tl.program_id(2)
+        k_lo = split * k_per_split
+        acc = _sum_inputs(a_ptr, w_ptr, rm, rn, M, N, k_lo,
+                          tl.minimum(K, k_lo + k_per_split), stride_am, stride_wn,
+                          BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
         parts = part_ptr + rm[:, None] * N + rn[None, :]
         tl.store(parts + split * M * N, acc, mask=ok)
         if FUSED:
@@ -128,12 +160,12 @@ def _linear_kernel(a_ptr, w_ptr, c_ptr, part_ptr, count_ptr, M, N, K, k_per_spli
                 for s in tl.static_range(1, SPLITS):  # the order of _sum_splits_kernel
                     total += tl.load(parts + s * M * N, mask=ok, other=0.0,
                                      cache_modifier=".cg")
-                tl.store(c_ptr + rm[:, None] * stride_cm + rn[None, :],
-                         total.to(c_ptr.dtype.element_ty), mask=ok)
+                tl.store(out, total.to(c_ptr.dtype.element_ty), mask=ok)
                 tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")  # next call
     else:
-        tl.store(c_ptr + rm[:, None] * stride_cm + rn[None, :],
-                 acc.to(c_ptr.dtype.element_ty), mask=ok)
+        acc = _sum_inputs(a_ptr, w_ptr, rm, rn, M, N, 0, K, stride_am, stride_wn,
+                          BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
+        tl.store(out, acc.to(c_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -156,12 +188,16 @@ def linear_config(n: int, k: int) -> tuple[int, int, int, int]:
     alone, so that every batch size runs the same tiles and sums. A decode (one row)
     streams the weight, so a weight of fewer output tiles than multiprocessors is also split
     over its inputs (split-K: a fixed number of parts, added in order) into about two tiles
-    per multiprocessor. The price: a prefill of M rows writes and reads M x N float32
-    partials per part. The parts are added in the linear's own launch by the last program to
-    finish each output tile (one launch fewer per split linear: on a decode the sums are
+    per multiprocessor. The parts are added in the linear's own launch by the last program
+    to finish each output tile (one launch fewer per split linear: on a decode the sums are
     tiny, and their launches and the gaps between kernels cost more than the additions), in
     the order of ``_sum_splits_kernel``, the second launch that ``LLMSERVE_SPLITK_REDUCE=
-    kernel`` keeps: the same float32 additions in the same order, so the same bits."""
+    kernel`` keeps: the same float32 additions in the same order, so the same bits.
+
+    Programs per part are a way to fill the GPU, not part of the arithmetic: when the
+    rows alone give enough tiles (``in_order``), one program per tile sums the parts one
+    after another, with the same operations, and a prefill writes no partials (M x N
+    float32 per part, which cost more than the product)."""
     block_k = 128 if k >= 128 else max(16, triton.next_power_of_2(k))
     block_n = 128 if n >= 2 * _SMS * 128 else 64
     tiles = triton.cdiv(n, block_n)
@@ -195,6 +231,12 @@ def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
     return buffers[-1]
 
 
+def in_order(tiles: int, splits: int) -> bool:
+    """Whether a split linear of ``tiles`` output tiles (rows x columns) sums its parts in
+    one program per tile: when the tiles alone fill the GPU several times over."""
+    return splits > 1 and tiles >= IN_ORDER_TILES
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x`` [M, K] @ ``weight`` [N, K]^T -> [M, N] in the weight's dtype."""
     x = x.to(weight.dtype)
@@ -207,18 +249,21 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return out
     bm, bn, bk, splits = linear_config(n, k)
     k_per_split = triton.cdiv(triton.cdiv(k, bk), splits) * bk
-    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), splits)
-    fused = splits > 1 and SPLITK_REDUCE == "fused"
-    part = (torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if splits > 1
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    ordered = in_order(tiles, splits)
+    parallel = splits > 1 and not ordered  # one program per part, partials in memory
+    fused = parallel and SPLITK_REDUCE == "fused"
+    part = (torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if parallel
             else out)
-    counters = _tile_counters(x.device, grid[0] * grid[1]) if fused else out
+    counters = _tile_counters(x.device, tiles) if fused else out
     pdl = pdl_for(x)
+    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), splits if parallel else 1)
     _linear_kernel[grid](
         x, weight, out, part, counters, m, n, k, k_per_split, x.stride(0), weight.stride(0),
-        out.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLITS=splits, FUSED=fused,
-        UPCAST=INTERPRETED, num_warps=_LINEAR_WARPS, num_stages=_LINEAR_STAGES,
-        **pdl_launch(pdl))
-    if splits > 1 and not fused:
+        out.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLITS=splits, IN_ORDER=ordered,
+        FUSED=fused, UPCAST=INTERPRETED, num_warps=_LINEAR_WARPS,
+        num_stages=_LINEAR_STAGES, **pdl_launch(pdl))
+    if parallel and not fused:
         block = 1024
         _sum_splits_kernel[(triton.cdiv(m * n, block),)](
             part, out, m, n, out.stride(0), SPLITS=splits, BLOCK=block, **pdl_launch(pdl))
