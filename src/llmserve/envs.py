@@ -35,9 +35,9 @@ LLMSERVE_SPLITK_REDUCE: str = os.environ.get("LLMSERVE_SPLITK_REDUCE", "fused")
 if LLMSERVE_SPLITK_REDUCE not in ("fused", "kernel"):
     raise ValueError(f"LLMSERVE_SPLITK_REDUCE={LLMSERVE_SPLITK_REDUCE!r}: 'fused' or 'kernel'")
 # "0" launches the Triton kernels of a step one after another as usual instead of with
-# programmatic dependent launch (Hopper and later GPUs: each kernel starts while the one
-# before it finishes, and a linear fetches its first weights into L2 meanwhile; see
-# layers/triton_ops.py). Read at call time: a comparison on the GPU.
+# programmatic dependent launch (NVIDIA Hopper and later: each kernel's launch and start-up
+# overlap the end of the one before; see layers/triton_ops.py). Read at call time: a
+# comparison on the GPU.
 LLMSERVE_PDL: bool = os.environ.get("LLMSERVE_PDL", "1") != "0"
 # The instruction set the compiled CPU kernels are built for: "native" (this CPU's own, the
 # default), "avx2" (x86-64-v3: AVX2 and FMA, no AVX-512, no VNNI: the portable kernels, as

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import warnings
 
@@ -33,6 +34,7 @@ KINDS = {  # argument-name -> type overrides per kernel (pointers default to bfl
         "part_acc_ptr": "*fp32", "part_start_ptr": "*i32"},
 }
 NOT_DIVISIBLE = {"M"}  # not specialised (do_not_specialize); floats never are
+MEMORY_OP = re.compile(r"\b(ld\.global|st\.global|cp\.async\.(ca|cg)|atom\.|red\.)")
 
 
 def _cases():
@@ -40,7 +42,8 @@ def _cases():
     from llmserve.layers import triton_ops as ops
 
     for pdl in (True, False):
-        for splits, in_order, fused in ((6, False, True), (6, True, False), (1, False, False)):
+        for splits, in_order, fused in ((6, False, True), (6, False, False), (6, True, False),
+                                        (1, False, False)):
             yield ops._linear_kernel, dict(
                 BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, SPLITS=splits, IN_ORDER=in_order,
                 FUSED=fused, UPCAST=False, PDL=pdl), {"num_warps": 4, "num_stages": 3}
@@ -67,7 +70,9 @@ def compile_all(arch: int = 90) -> list[dict]:
     results = []
     for fn, consts, options in _cases():
         name = fn.__name__
-        kinds = KINDS[name]
+        kinds = dict(KINDS[name])
+        if consts.get("SCALED"):  # the scaled cache: fp8 codes
+            kinds |= {"k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"}
         signature, attrs = {}, {}
         for i, arg in enumerate(fn.arg_names):
             if arg in consts:
@@ -87,9 +92,13 @@ def compile_all(arch: int = 90) -> list[dict]:
             results.append(row)
             continue
         ptx = compiled.asm["ptx"]
+        memory = MEMORY_OP.search(ptx)
+        wait = ptx.find("griddepcontrol.wait")
         row |= {"shared": compiled.metadata.shared, "cp_async": ptx.count("cp.async."),
                 "wgmma": ptx.count("wgmma.mma_async"),
-                "griddepcontrol_wait": ptx.count("griddepcontrol.wait")}
+                "griddepcontrol_wait": ptx.count("griddepcontrol.wait"),
+                # the first global load, store or atomic comes after the wait
+                "waits_before_memory": wait >= 0 and (memory is None or wait < memory.start())}
         results.append(row)
     return results
 

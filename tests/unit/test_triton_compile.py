@@ -25,7 +25,8 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def compiled() -> list[dict]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(ROOT / "src"), env.get("PYTHONPATH")) if p)
     proc = subprocess.run([sys.executable, str(ROOT / "tests/helpers/triton_compile.py")],
                           capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -47,9 +48,14 @@ def test_products_pipeline_their_loads_onto_the_tensor_cores(compiled):
     for r in compiled:
         if r["kernel"] in ("_linear_kernel", "paged_attention_kernel"):
             assert r["cp_async"] > 0 and r["wgmma"] > 0, r
-            assert r["shared"] > 32 * 1024, r  # more than one stage of tiles in flight
+        if r["kernel"] == "_linear_kernel":  # 32 KiB: one stage of 64 x 128 + 128 x 64 tiles
+            assert r["shared"] > 32 * 1024, r
 
 
-def test_programmatic_dependent_launch_waits_in_every_kernel(compiled):
+def test_programmatic_dependent_launch_waits_before_touching_memory(compiled):
+    """Launched with PDL, every kernel waits for the one before it (once), and reads or
+    writes global memory only after that; without PDL, no wait."""
     for r in compiled:
         assert r["griddepcontrol_wait"] == (1 if r["PDL"] else 0), r
+        if r["PDL"]:
+            assert r["waits_before_memory"], r

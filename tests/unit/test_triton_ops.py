@@ -109,14 +109,18 @@ def test_split_linear_sums_its_parts_in_one_program_with_the_same_bits(
 
 def test_split_linears_sum_in_order_once_the_tiles_fill_the_gpu():
     """The choice is of launch, not arithmetic: it may follow the row count."""
+    threshold = triton_ops.IN_ORDER_TILES
     assert not triton_ops.in_order(48, 6)  # a decode of the 1B model's QKV: 48 tiles
-    assert not triton_ops.in_order(4 * 48, 6)  # 256 rows
-    assert triton_ops.in_order(64 * 48, 6)  # its 4096-row prefill
-    assert not triton_ops.in_order(10_000, 1)  # not split
+    assert not triton_ops.in_order(threshold - 1, 6)
+    assert triton_ops.in_order(threshold, 6)
+    assert triton_ops.in_order(64 * 48, 6)  # that QKV's 4096-row prefill
+    assert not triton_ops.in_order(10 * threshold, 1)  # not split
     if CUDA:  # rows alone (parts in parallel) against a batch past the threshold (in order)
-        w = randn(160, 600, dtype=torch.bfloat16, seed=2)
-        rows = 64 * -(-triton_ops.IN_ORDER_TILES // 3)  # 3 tiles of columns
-        x = randn(rows, 600, dtype=torch.bfloat16, seed=3)
+        w = randn(3072, 2048, dtype=torch.bfloat16, seed=2)  # 6 parts of 3 tiles of inputs
+        _, bn, bk, splits = triton_ops.linear_config(3072, 2048)
+        assert 1 < splits < 2048 // bk
+        rows = 64 * -(-threshold // (3072 // bn))
+        x = randn(rows, 2048, dtype=torch.bfloat16, seed=3)
         together = triton_ops.linear(x, w)
         for r in ([0], [5, 6], [rows - 1]):
             assert torch.equal(triton_ops.linear(x[r], w), together[r]), r
@@ -235,9 +239,9 @@ def _layer_kernels(x, w_qkv, w_o, norm_w, cos, sin, positions, kc, vc, slots):
 @pytest.mark.skipif(not PDL_GPU, reason="programmatic dependent launch needs a GPU of "
                     "compute capability 9.0 or later (Hopper); run where one is lent")
 def test_programmatic_dependent_launch_gives_the_same_bits(monkeypatch):
-    """With PDL each kernel starts while the one before finishes, waits for it, and a linear
-    prefetches its weights first: the same bits as launching one after another, eagerly
-    and replayed from a CUDA graph (where the launches become programmatic edges)."""
+    """With PDL each kernel may start while the one before finishes, and waits for it
+    before it touches memory: the same bits as launching one after another, eagerly and
+    replayed from a CUDA graph (where the launches become programmatic edges)."""
     x = randn(5, 512, dtype=torch.bfloat16)
     w_qkv = randn(192, 512, dtype=torch.bfloat16, seed=1)  # split over its inputs
     w_o = randn(512, 64, dtype=torch.bfloat16, seed=2)

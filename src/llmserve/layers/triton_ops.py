@@ -70,9 +70,10 @@ def _pdl_capable(index: int) -> bool:
 
 
 def pdl_for(x: torch.Tensor) -> bool:
-    """Whether kernels on ``x``'s device launch with programmatic dependent launch."""
+    """Whether kernels on ``x``'s device launch with programmatic dependent launch (an
+    NVIDIA GPU of compute capability 9.0 or later; ROCm's "cuda" devices have none)."""
     return (PDL and not INTERPRETED and x.device.type == "cuda"
-            and _pdl_capable(x.device.index))
+            and torch.version.hip is None and _pdl_capable(x.device.index))
 
 
 def pdl_launch(pdl: bool) -> dict:
