@@ -2,8 +2,9 @@
 
 On the 1.07B Llama shape of ``cuda_bench.py`` (random bfloat16 weights):
 
-1. for each variant (programmatic dependent launch off, the attention kernel's keys per
-   tile and warps per program; each still batch-invariant): the
+1. for each variant (programmatic dependent launch off, split linears' parts always in
+   programs of their own, the attention kernel's keys per tile and warps per program; each
+   still batch-invariant): the
    GPU time of one decode step at batch 1 and 64 (back-to-back replays of its CUDA graph),
    single-stream decode tokens/s through the engine and the prefill of 4096 tokens;
 2. ``torch.profiler`` over a few eager decode steps of the default variant: device time by
@@ -31,9 +32,11 @@ from llmserve.attention import triton_paged
 from llmserve.layers import triton_ops
 from llmserve.sampling_params import SamplingParams
 
+_IN_ORDER_TILES = triton_ops.IN_ORDER_TILES
 VARIANTS = {
     "default": {},
     "no-pdl": {"pdl": False},
+    "parts-parallel": {"in_order_tiles": 1 << 62},  # a split weight's parts never in order
     "attn-bn32": {"attn_block_n": 32},
     "attn-bn128": {"attn_block_n": 128},
     "attn-w2": {"attn_warps": 2},
@@ -44,9 +47,11 @@ VARIANTS = {
 
 
 def apply_variant(v: dict) -> None:
-    """Module knobs read at call time: programmatic dependent launch, the attention's keys
-    per tile and warps per program."""
+    """Module knobs read at call time: programmatic dependent launch, when a split linear
+    sums its parts in one program per tile, the attention's keys per tile and warps per
+    program."""
     triton_ops.PDL = v.get("pdl", envs.LLMSERVE_PDL)
+    triton_ops.IN_ORDER_TILES = v.get("in_order_tiles", _IN_ORDER_TILES)
     triton_paged.BLOCK_N = v.get("attn_block_n", 64)
     triton_paged.WARPS = v.get("attn_warps", 4)
 

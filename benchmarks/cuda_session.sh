@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One session on a lent GPU machine, from the repository root: the CUDA tests, then
 # benchmarks/cuda_bench.py, then the HTTP server on the GPU (benchmarks/cuda_server_smoke.py;
-# SKIP_TESTS=1, SKIP_BENCH=1 and SERVER=0 skip each). Expects .gpu/whl (wheels of what the machine's image lacks for the
+# SKIP_TESTS=1, SKIP_BENCH=1 and SERVER=0 skip each), then, with PROFILE=variant,...,
+# benchmarks/cuda_profile.py's kernel table and those variants (PROFILE_TIMEOUT, default 120). Expects .gpu/whl (wheels of what the machine's image lacks for the
 # engine and the server) and .gpu/tokenizer (SmolLM2's tokenizer, saved), carried along
 # (benchmarks/cuda_payload.sh makes them). Writes logs and results to $OUT (default:
 # ./cuda-out).
@@ -34,4 +35,9 @@ if [ "${SERVER:-1}" != 0 ]; then  # the HTTP server on the GPU (needs the server
   timeout "${SERVER_TIMEOUT:-200}" python3 benchmarks/cuda_server_smoke.py --device cuda \
       --tokenizer .gpu/tokenizer > "$OUT/server.log" 2>&1  # the server's log on a failure
   grep -E "^(ok|FAIL)" "$OUT/server.log"
+fi
+if [ -n "${PROFILE:-}" ]; then  # where a decode step's GPU time goes, and variants of it
+  timeout "${PROFILE_TIMEOUT:-120}" python3 benchmarks/cuda_profile.py --tokenizer .gpu/tokenizer \
+      --variants "$PROFILE" --out "$OUT/profile.json" 2>&1 | grep -v " INFO " \
+      | tee "$OUT/profile.log" | head -24
 fi
