@@ -4,9 +4,9 @@ On the 1.07B Llama shape of ``cuda_bench.py`` (random bfloat16 weights):
 
 1. for each variant (programmatic dependent launch off, split linears' parts always in
    programs of their own, the attention kernel's keys per tile and warps per program; each
-   still batch-invariant): the
-   GPU time of one decode step at batch 1 and 64 (back-to-back replays of its CUDA graph),
-   single-stream decode tokens/s through the engine and the prefill of 4096 tokens;
+   still batch-invariant): the GPU time of one decode step at batch 1 and 64 (back-to-back
+   replays of its CUDA graph), single-stream decode tokens/s through the engine and the
+   prefill of 4096 tokens;
 2. ``torch.profiler`` over a few eager decode steps of the default variant: device time by
    kernel, summed over the step.
 
