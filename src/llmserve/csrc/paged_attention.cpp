@@ -477,6 +477,15 @@ inline int64_t first_key(const Problem& p, int64_t len) {
   return p.window > 0 ? std::max<int64_t>(0, len - p.window) : 0;
 }
 
+// The keys [first, end) that a query row of `len` sees in the segment starting at key
+// `seg_lo`; first >= end when it sees none there.
+struct KeyRange {
+  int64_t first, end;
+};
+inline KeyRange keys_in_segment(const Problem& p, int64_t len, int64_t seg_lo) {
+  return {std::max(first_key(p, len), seg_lo), std::min(len, seg_lo + p.seg_keys)};
+}
+
 // One tile of up to kTile query rows of a sequence, with the segments its rows see.
 struct Tile {
   int64_t b, t0, rows, first_seg, num_segs;
@@ -546,10 +555,9 @@ void for_each_item(const Problem& p, int64_t num_seqs, F&& body) {
       unit_seg.push_back(tiles[t].first_seg + s);
       int64_t keys = 0;  // what the unit's rows see of the segment
       for (int64_t r = 0; r < tiles[t].rows; ++r) {
-        const int64_t len = p.pos[tiles[t].t0 + r] + 1;
-        const int64_t lo = (tiles[t].first_seg + s) * p.seg_keys;
-        keys += std::max<int64_t>(
-            0, std::min(len, lo + p.seg_keys) - std::max(first_key(p, len), lo));
+        const KeyRange k = keys_in_segment(p, p.pos[tiles[t].t0 + r] + 1,
+                                           (tiles[t].first_seg + s) * p.seg_keys);
+        keys += std::max<int64_t>(0, k.end - k.first);
       }
       cost.push_back(keys);
     }
@@ -594,7 +602,7 @@ void for_each_item(const Problem& p, int64_t num_seqs, F&& body) {
       const int64_t item = order[k], unit = item / p.num_kv_heads;
       const Tile& tile = tiles[unit_tile[unit]];
       const int64_t seg = unit_seg[unit];
-      const int64_t seg_lo = seg * p.seg_keys, seg_hi = seg_lo + p.seg_keys;
+      const int64_t seg_lo = seg * p.seg_keys;
       it.h = item % p.num_kv_heads;
       it.b = tile.b;
       it.t0 = tile.t0;
@@ -603,11 +611,10 @@ void for_each_item(const Problem& p, int64_t num_seqs, F&& body) {
       it.table = p.tables + it.b * p.max_blocks;
       int64_t lo = INT64_MAX, hi = 0;  // keys any row sees in the segment
       for (int64_t r = 0; r < it.rows; ++r) {
-        const int64_t len = p.pos[it.t0 + r] + 1;
-        const int64_t first = std::max(first_key(p, len), seg_lo), end = std::min(len, seg_hi);
-        if (first < end) {
-          lo = std::min(lo, first);
-          hi = std::max(hi, end);
+        const KeyRange k = keys_in_segment(p, p.pos[it.t0 + r] + 1, seg_lo);
+        if (k.first < k.end) {
+          lo = std::min(lo, k.first);
+          hi = std::max(hi, k.end);
         }
       }
       if (lo >= hi) lo = hi = 0;  // no row sees this segment (cannot happen in a chunk)
@@ -615,9 +622,8 @@ void for_each_item(const Problem& p, int64_t num_seqs, F&& body) {
       it.num_blocks = (hi + p.block_size - 1) / p.block_size;
       it.k0 = it.first_block * p.block_size;
       for (int64_t r = 0, i = 0; r < it.rows; ++r) {
-        const int64_t len = p.pos[it.t0 + r] + 1;
-        int64_t first = std::max(first_key(p, len), seg_lo) - it.k0;
-        int64_t end = std::min(len, seg_hi) - it.k0;
+        const KeyRange k = keys_in_segment(p, p.pos[it.t0 + r] + 1, seg_lo);
+        int64_t first = k.first - it.k0, end = k.end - it.k0;  // relative to the item's keys
         if (end <= first) first = end = 0;
         const float* row = p.q + (it.t0 + r) * p.q_stride + it.h * p.group * p.head_dim;
         for (int64_t g = 0; g < p.group; ++g, ++i) {
