@@ -91,11 +91,14 @@ def wait_for_inputs(PDL: tl.constexpr):
 
 
 @triton.jit
-def _sum_inputs(a_ptr, w_ptr, rm, rn, M, N, k_lo, k_hi, stride_am, stride_wn,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                UPCAST: tl.constexpr):
-    """One part of a tile: float32 sums from zero over inputs [k_lo, k_hi), in tiles of
-    BLOCK_K, in order."""
+def _sum_part(a_ptr, w_ptr, rm, rn, M, N, K, k_per_split, part, stride_am, stride_wn,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              UPCAST: tl.constexpr):
+    """Part ``part`` of a tile: float32 sums from zero over its inputs
+    [part * k_per_split, (part + 1) * k_per_split) (within K), in tiles of BLOCK_K, in
+    order. The one place a part's inputs are chosen, whichever program sums it."""
+    k_lo = part * k_per_split
+    k_hi = tl.minimum(K, k_lo + k_per_split)
     rk = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
@@ -133,20 +136,16 @@ def _linear_kernel(a_ptr, w_ptr, c_ptr, part_ptr, count_ptr, M, N, K, k_per_spli
     ok = (rm[:, None] < M) & (rn[None, :] < N)
     out = c_ptr + rm[:, None] * stride_cm + rn[None, :]
     if IN_ORDER:
-        acc = _sum_inputs(a_ptr, w_ptr, rm, rn, M, N, 0, tl.minimum(K, k_per_split),
-                          stride_am, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
+        acc = _sum_part(a_ptr, w_ptr, rm, rn, M, N, K, k_per_split, 0, stride_am, stride_wn,
+                        BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
         for s in range(1, SPLITS):
-            k_lo = s * k_per_split
-            acc += _sum_inputs(a_ptr, w_ptr, rm, rn, M, N, k_lo,
-                               tl.minimum(K, k_lo + k_per_split), stride_am, stride_wn,
-                               BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
+            acc += _sum_part(a_ptr, w_ptr, rm, rn, M, N, K, k_per_split, s, stride_am,
+                             stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
         tl.store(out, acc.to(c_ptr.dtype.element_ty), mask=ok)
     elif SPLITS > 1:
         split = tl.program_id(2)
-        k_lo = split * k_per_split
-        acc = _sum_inputs(a_ptr, w_ptr, rm, rn, M, N, k_lo,
-                          tl.minimum(K, k_lo + k_per_split), stride_am, stride_wn,
-                          BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
+        acc = _sum_part(a_ptr, w_ptr, rm, rn, M, N, K, k_per_split, split, stride_am,
+                        stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
         parts = part_ptr + rm[:, None] * N + rn[None, :]
         tl.store(parts + split * M * N, acc, mask=ok)
         if FUSED:
@@ -163,9 +162,9 @@ def _linear_kernel(a_ptr, w_ptr, c_ptr, part_ptr, count_ptr, M, N, K, k_per_spli
                                      cache_modifier=".cg")
                 tl.store(out, total.to(c_ptr.dtype.element_ty), mask=ok)
                 tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")  # next call
-    else:
-        acc = _sum_inputs(a_ptr, w_ptr, rm, rn, M, N, 0, K, stride_am, stride_wn,
-                          BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
+    else:  # one part: k_per_split covers K
+        acc = _sum_part(a_ptr, w_ptr, rm, rn, M, N, K, k_per_split, 0, stride_am, stride_wn,
+                        BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
         tl.store(out, acc.to(c_ptr.dtype.element_ty), mask=ok)
 
 
