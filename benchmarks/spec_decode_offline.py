@@ -33,12 +33,15 @@ def main() -> None:
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--seed", type=int, default=3)
     p.add_argument("--kv-cache-dtype", default="auto", help="every engine's (and draft's)")
+    p.add_argument("--dtype", default=None,
+                   help="the dense weights' dtype of every engine (float32, bfloat16)")
     args = p.parse_args()
     requests = grounded_requests(random.Random(args.seed), args.num_prompts)
     configs = {"off": None} | {f"on{j + 1}": json.loads(c)
                                for j, c in enumerate(args.speculative_config)}
     engines = {name: LLM(args.model, quantization=args.quantization, kv_cache_memory=0.5,
-                         kv_cache_dtype=args.kv_cache_dtype, speculative_config=c)
+                         kv_cache_dtype=args.kv_cache_dtype, dtype=args.dtype,
+                         speculative_config=c)
                for name, c in configs.items()}
     names = list(engines)
     seconds = dict.fromkeys(names, 0.0)

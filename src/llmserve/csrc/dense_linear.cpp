@@ -99,11 +99,13 @@ constexpr int kPanelsFor[kRows + 1] = {0, 4, 2, 2, 1, 1, 1};
 constexpr int64_t kBlockBytes = 256 * 1024;
 
 // y[r, c] for R rows of x (ldx apart) and the P panels from w (each k * 16 values), into
-// y (rows ldy apart), its first `cols` columns. Loops over registers are unrolled at compile
-// time: indexed by a runtime value, GCC keeps the accumulators on the stack.
+// y (rows ldy apart), its first `cols` columns. With `widened` (bfloat16 weights only), the
+// panels also go there as float32, in the same layout, for the tiles of the rows after
+// these. Loops over registers are unrolled at compile time: indexed by a runtime value, GCC
+// keeps the accumulators on the stack.
 template <int R, int P, typename W>
 void tile(const float* x, int64_t ldx, const W* w, int64_t k, float* y, int64_t ldy,
-          int64_t cols) {
+          int64_t cols, float* widened) {
   constexpr int C = P * kRegs;  // registers across the tile's columns
   typename Vec::T acc[R][C];
 #pragma GCC unroll 6
@@ -116,6 +118,14 @@ void tile(const float* x, int64_t ldx, const W* w, int64_t k, float* y, int64_t 
 #pragma GCC unroll 16
     for (int c = 0; c < C; ++c)
       wv[c] = Vec::load(w + (c / kRegs) * panel + i * kPanel + (c % kRegs) * Vec::kWidth);
+    if constexpr (!std::is_same_v<W, float>) {
+      if (widened != nullptr) {
+#pragma GCC unroll 16
+        for (int c = 0; c < C; ++c)
+          Vec::store(widened + (c / kRegs) * panel + i * kPanel + (c % kRegs) * Vec::kWidth,
+                     wv[c]);
+      }
+    }
 #pragma GCC unroll 6
     for (int r = 0; r < R; ++r) {
       const typename Vec::T xv = Vec::splat(x[r * ldx + i]);
@@ -140,67 +150,98 @@ void tile(const float* x, int64_t ldx, const W* w, int64_t k, float* y, int64_t 
 }
 
 template <typename W>
-using TileFn = void (*)(const float*, int64_t, const W*, int64_t, float*, int64_t, int64_t);
+using TileFn = void (*)(const float*, int64_t, const W*, int64_t, float*, int64_t, int64_t,
+                        float*);
 
-// Per row count: the tile as wide as kPanelsFor allows, and the one-panel tile that covers
-// the last panels of a row range when fewer remain.
-template <typename W, int... R>
-constexpr std::array<TileFn<W>, kRows + 1> wide_tiles(std::integer_sequence<int, R...>) {
-  return {nullptr, tile<R + 1, kPanelsFor[R + 1], W>...};
+// kTiles<W, P>[R]: the tile of R rows over P panels, for every R whose accumulators fit as
+// kPanelsFor's do (null past them). A call's rows pick its span of panels (kPanelsFor),
+// and every tile of the call runs over that span: a block's last tile of 1 or 2 rows too,
+// where it used to take the span one panel at a time, each row's sums one chain of fused
+// multiply-adds waiting on each other (7 or 8 rows: 3-5% slower than now, bench:
+// benchmarks/dense_ab.py). Which elements a tile computes together changes; how one is
+// computed does not.
+constexpr int most_rows_times_panels() {
+  int most = 0;
+  for (int r = 1; r <= kRows; ++r) most = std::max(most, r * kPanelsFor[r]);
+  return most;
 }
-template <typename W, int... R>
-constexpr std::array<TileFn<W>, kRows + 1> narrow_tiles(std::integer_sequence<int, R...>) {
-  return {nullptr, tile<R + 1, 1, W>...};
+template <int R, int P, typename W>
+constexpr TileFn<W> tile_if_it_fits() {
+  if constexpr (R * P <= most_rows_times_panels())
+    return tile<R, P, W>;
+  else
+    return nullptr;
+}
+template <typename W, int P, int... R>
+constexpr std::array<TileFn<W>, kRows + 1> tiles_over(std::integer_sequence<int, R...>) {
+  return {nullptr, tile_if_it_fits<R + 1, P, W>()...};
+}
+template <typename W, int P>
+constexpr std::array<TileFn<W>, kRows + 1> kTiles =
+    tiles_over<W, P>(std::make_integer_sequence<int, kRows>{});
+
+// The tiles over `panels` panels: 1 (a span's last panels, fewer than the span) or one of
+// kPanelsFor's values.
+template <typename W>
+const std::array<TileFn<W>, kRows + 1>& tiles_over_panels(int panels) {
+  switch (panels) {
+    case 1: return kTiles<W, 1>;
+    case 2: return kTiles<W, 2>;
+    case 4: return kTiles<W, 4>;
+    default: return kTiles<W, 8>;
+  }
 }
 
 template <typename W>
 void run(const float* x, int64_t ldx, int64_t m, int64_t k, const W* w, int64_t panels,
          float* y, int64_t n) {
-  static constexpr auto wide = wide_tiles<W>(std::make_integer_sequence<int, kRows>{});
-  static constexpr auto narrow = narrow_tiles<W>(std::make_integer_sequence<int, kRows>{});
-  static constexpr auto wide_f = wide_tiles<float>(std::make_integer_sequence<int, kRows>{});
-  static constexpr auto narrow_f =
-      narrow_tiles<float>(std::make_integer_sequence<int, kRows>{});
   // Threads take ranges of columns (spans of panels), never of inputs; each computes all
   // rows of its columns, a block of rows at a time, the block's x staying in cache.
   const int span = kPanelsFor[std::min<int64_t>(m, kRows)];
   const int64_t spans = (panels + span - 1) / span;
   const int64_t block = std::max<int64_t>(1, kBlockBytes / (4 * k) / kRows) * kRows;
+  const auto& wide = tiles_over_panels<W>(span);
+  const auto& narrow = tiles_over_panels<W>(1);
+  const auto& wide_f = tiles_over_panels<float>(span);
+  const auto& narrow_f = tiles_over_panels<float>(1);
   at::parallel_for(0, spans, 1, [&](int64_t s0, int64_t s1) {
     IeeeDenormals ieee;
-    // bfloat16 panels that several row tiles read are widened once, into float32 here.
-    std::vector<float> widened;
+    // bfloat16 panels that several row tiles read: the first tile widens them to float32
+    // as it reads them from memory, here, for the tiles after it (a pass of its own that
+    // widened them first cost up to twice the step at 7 rows: it read memory while nothing
+    // computed; benchmarks/dense_ab.py). Kept by the thread from call to call.
+    thread_local std::vector<float> widened;
     for (int64_t m0 = 0; m0 < m; m0 += block) {
       const int64_t m1 = std::min(m, m0 + block);
+      const bool widen = !std::is_same_v<W, float> && m1 - m0 > kRows;
       for (int64_t s = s0; s < s1; ++s) {
         const int64_t p0 = s * span, count = std::min<int64_t>(span, panels - p0);
         const W* wp = w + p0 * k * kPanel;
-        const float* wf = nullptr;
-        if constexpr (!std::is_same_v<W, float>) {
-          if (m1 - m0 > kRows) {
-            widened.resize(count * k * kPanel);
-            for (int64_t i = 0; i < count * k * kPanel; i += Vec::kWidth)
-              Vec::store(widened.data() + i, Vec::load(wp + i));
-            wf = widened.data();
-          }
-        }
+        if (widen && widened.size() < static_cast<size_t>(count * k * kPanel))
+          widened.resize(count * k * kPanel);
         for (int64_t r0 = m0; r0 < m1; r0 += kRows) {
           const int rows = static_cast<int>(std::min<int64_t>(kRows, m1 - r0));
           const float* xr = x + r0 * ldx;
           float* yr = y + r0 * n + p0 * kPanel;
           const int64_t cols = n - p0 * kPanel, stride = k * kPanel;
-          if (count == kPanelsFor[rows]) {
-            if (wf != nullptr)
-              wide_f[rows](xr, ldx, wf, k, yr, n, cols);
+          // The first tile reads w (and widens it, if asked); the others the widened panels.
+          const bool from_w = !widen || r0 == m0;
+          float* into = widen && r0 == m0 ? widened.data() : nullptr;
+          const float* wf = widened.data();
+          if (count == span) {
+            if (from_w)
+              wide[rows](xr, ldx, wp, k, yr, n, cols, into);
             else
-              wide[rows](xr, ldx, wp, k, yr, n, cols);
+              wide_f[rows](xr, ldx, wf, k, yr, n, cols, nullptr);
             continue;
           }
           for (int64_t q = 0; q < count; ++q) {
-            if (wf != nullptr)
-              narrow_f[rows](xr, ldx, wf + q * stride, k, yr + q * kPanel, n, cols - q * kPanel);
+            float* yq = yr + q * kPanel;
+            if (from_w)
+              narrow[rows](xr, ldx, wp + q * stride, k, yq, n, cols - q * kPanel,
+                           into == nullptr ? nullptr : into + q * stride);
             else
-              narrow[rows](xr, ldx, wp + q * stride, k, yr + q * kPanel, n, cols - q * kPanel);
+              narrow_f[rows](xr, ldx, wf + q * stride, k, yq, n, cols - q * kPanel, nullptr);
           }
         }
       }
