@@ -157,7 +157,7 @@ using TileFn = void (*)(const float*, int64_t, const W*, int64_t, float*, int64_
 // kPanelsFor's do (null past them). A call's rows pick its span of panels (kPanelsFor),
 // and every tile of the call runs over that span: a block's last tile of 1 or 2 rows too,
 // where it used to take the span one panel at a time, each row's sums one chain of fused
-// multiply-adds waiting on each other (7 or 8 rows: 3-5% slower than now, bench:
+// multiply-adds waiting on each other (7, 8, 13 rows: 4-8% slower than now, bench:
 // benchmarks/dense_ab.py). Which elements a tile computes together changes; how one is
 // computed does not.
 constexpr int most_rows_times_panels() {
