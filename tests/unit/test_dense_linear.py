@@ -63,8 +63,9 @@ def test_fma32_decides_double_rounding_ties(tail: float, rounds_up: bool):
     assert fma32(a, a, c).item() == want
 
 
-# (out, in): below one panel, a partial last panel, exact panels, SmolLM2's widths.
-SHAPES = [(1, 3), (5, 64), (37, 64), (48, 40), (100, 576), (64, 1536)]
+# (out, in): below one panel, a partial last panel, exact panels, SmolLM2's widths, and 10
+# panels (a full span of 8 and 2 more, the last partial).
+SHAPES = [(1, 3), (5, 64), (37, 64), (48, 40), (100, 576), (149, 96), (64, 1536)]
 
 
 @needs_kernels

@@ -153,28 +153,32 @@ template <typename W>
 using TileFn = void (*)(const float*, int64_t, const W*, int64_t, float*, int64_t, int64_t,
                         float*);
 
-// kTiles<W, P>[R]: the tile of R rows over P panels, for every R whose accumulators fit as
-// kPanelsFor's do (null past them). A call's rows pick its span of panels (kPanelsFor),
-// and every tile of the call runs over that span: a block's last tile of 1 or 2 rows too,
+// kTiles<W, P>[R]: the tile of R rows over P panels, for the (R, P) a call can ask for
+// (null for the others). A call's rows pick its span of panels (kPanelsFor), and every tile
+// of the call runs over that span (or over 1 panel, at the end of a thread's columns where
+// fewer than a span remain): a block's last tile of 1 or 2 rows too,
 // where it used to take the span one panel at a time, each row's sums one chain of fused
 // multiply-adds waiting on each other (7, 8, 13 rows: 4-8% slower than now, bench:
 // benchmarks/dense_ab.py). Which elements a tile computes together changes; how one is
 // computed does not.
-constexpr int most_rows_times_panels() {
-  int most = 0;
-  for (int r = 1; r <= kRows; ++r) most = std::max(most, r * kPanelsFor[r]);
-  return most;
+// Whether a call can run a tile of R rows over P panels: over 1 panel, any R; over a
+// span P, as many rows as a call whose rows pick that span (at most kRows a tile).
+constexpr bool reachable(int R, int P) {
+  if (P == 1) return true;
+  for (int r = R; r <= kRows; ++r)
+    if (kPanelsFor[r] == P) return true;
+  return false;
 }
 template <int R, int P, typename W>
-constexpr TileFn<W> tile_if_it_fits() {
-  if constexpr (R * P <= most_rows_times_panels())
+constexpr TileFn<W> tile_if_reachable() {
+  if constexpr (reachable(R, P))
     return tile<R, P, W>;
   else
     return nullptr;
 }
 template <typename W, int P, int... R>
 constexpr std::array<TileFn<W>, kRows + 1> tiles_over(std::integer_sequence<int, R...>) {
-  return {nullptr, tile_if_it_fits<R + 1, P, W>()...};
+  return {nullptr, tile_if_reachable<R + 1, P, W>()...};
 }
 template <typename W, int P>
 constexpr std::array<TileFn<W>, kRows + 1> kTiles =
