@@ -161,6 +161,7 @@ class SpeculativeConfig:
     quantization: str = "auto"
     suffix_decoding_max_cached_requests: int = 256
     draft_prompt_lookup: bool | None = None
+    draft_kv_from_target: bool | None = None
     adaptive: bool = True
 
     def __post_init__(self) -> None:
@@ -178,17 +179,18 @@ class SpeculativeConfig:
         if self.method == "draft" and not self.model:
             raise ValueError('speculative method "draft" needs "model": the draft model')
         if self.method != "draft" and (self.model or self.draft_num_layers
-                                       or self.draft_prompt_lookup is not None):
-            raise ValueError('"model", "draft_num_layers" and "draft_prompt_lookup" apply to '
-                             'method "draft" only')
+                                       or self.draft_prompt_lookup is not None
+                                       or self.draft_kv_from_target is not None):
+            raise ValueError('"model", "draft_num_layers", "draft_prompt_lookup" and '
+                             '"draft_kv_from_target" apply to method "draft" only')
         cached = self.suffix_decoding_max_cached_requests
         if not isinstance(cached, int) or isinstance(cached, bool) or cached < 1:
             raise ValueError("suffix_decoding_max_cached_requests must be a positive integer, "
                              f"got {cached!r}")
-        if self.draft_prompt_lookup is not None and not isinstance(self.draft_prompt_lookup,
-                                                                   bool):
-            raise ValueError("draft_prompt_lookup must be true or false, "
-                             f"got {self.draft_prompt_lookup!r}")
+        for name in ("draft_prompt_lookup", "draft_kv_from_target"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise ValueError(f"{name} must be true or false, got {value!r}")
         if not isinstance(self.adaptive, bool):
             raise ValueError(f"adaptive must be true or false, got {self.adaptive!r}")
         if self.draft_num_layers is not None and (

@@ -11,6 +11,7 @@ import random
 import pytest
 
 from llmserve import LLM, SamplingParams
+from llmserve.errors import ModelLoadError
 from llmserve.spec_decode import StepCost
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
@@ -144,8 +145,15 @@ def test_stop_strings_cut_an_accepted_run(tiny_model_dir):
     assert spec.engine.stats().spec_draft_tokens > 0
 
 
+OWN_KV = {"draft_kv_from_target": False}
+
+
 @pytest.mark.parametrize("draft", [pytest.param({}, id="same-model"),
-                                   pytest.param({"draft_num_layers": 1}, id="first-layer")])
+                                   pytest.param({"draft_num_layers": 1}, id="first-layer"),
+                                   pytest.param(OWN_KV, id="same-model-own-kv"),
+                                   pytest.param({"draft_num_layers": 1, **OWN_KV},
+                                                id="first-layer-own-kv"),
+                                   pytest.param({"quantization": "int4"}, id="int4-copy")])
 def test_draft_model_output_identical(tiny_model_dir, draft):
     """A draft model proposes; the output is the target's, token for token. The target as
     its own draft proposes exactly what greedy requests then emit."""
@@ -153,9 +161,13 @@ def test_draft_model_output_identical(tiny_model_dir, draft):
     prompts, params = (x[:20] for x in _workload())
     reference = _reference(path, {})[:20]
     config = {"method": "draft", "model": str(path), "num_speculative_tokens": 3, **draft}
+    copies = []
     batched, stats = _run(path, prompts, params, config, alone=False,
+                          inspect=lambda llm: copies.append(
+                              llm.engine.speculator.proposer.target_kv is not None),
                           max_num_batched_tokens=96, max_num_seqs=16)
     assert stats.spec_draft_tokens > stats.spec_accepted_tokens > 0
+    assert copies == ["draft_kv_from_target" not in draft]
     for i, (got, want) in enumerate(zip(batched, reference)):
         assert got == want, f"request {i}: {params[i]}"
 
@@ -173,28 +185,32 @@ def _drafted_equals_plain(path, config: dict, max_tokens: int):
     return llm, llm.engine.stats()
 
 
-@pytest.mark.parametrize("name", ["llama-gqa", "gemma3"])
-def test_the_target_as_its_own_draft_is_always_accepted(tiny_model_dir, name):
-    """Gemma 3 too: its sliding-window groups release blocks while drafts are verified and
-    rolled back (window 32, sequences of up to 90 tokens)."""
+@pytest.mark.parametrize("name,extra", [("llama-gqa", {}), ("llama-gqa", OWN_KV),
+                                        ("gemma3", {})])
+def test_the_target_as_its_own_draft_is_always_accepted(tiny_model_dir, name, extra):
+    """With the history's KV copied from the target's cache, and with the draft's own.
+    Gemma 3 too (its own: the target's sliding-window groups release blocks while drafts
+    are verified and rolled back; window 32, sequences of up to 90 tokens)."""
     path, _ = tiny_model_dir(name)
-    config = {"method": "draft", "model": str(path), "num_speculative_tokens": 4}
+    config = {"method": "draft", "model": str(path), "num_speculative_tokens": 4, **extra}
     llm, stats = _drafted_equals_plain(path, config, max_tokens=30)
+    assert (llm.engine.speculator.proposer.target_kv is not None) == (
+        name == "llama-gqa" and not extra)
     assert stats.spec_draft_tokens > 0
     assert stats.spec_accepted_tokens == stats.spec_draft_tokens
     assert not llm.engine.speculator.proposer._seqs  # every request's draft blocks freed
     assert len(llm.engine.speculator.proposer._free) == llm.engine.speculator.proposer.num_blocks
 
 
-def test_the_draft_catches_up_inside_its_first_proposal_pass(tiny_model_dir):
-    """Between speculating steps the target emits tokens the draft has not seen (the bonus
-    token, plain steps); the draft's first pass takes them with the last token, and only a
-    prompt is written ahead of the proposal passes. With the target as its own draft, any
-    misplaced KV would show as a rejected draft."""
-    path, _ = tiny_model_dir("llama-gqa")
+def _one_step_in_three_plain(path, extra: dict):
+    """The target as its own draft, speculating in two steps of three (between speculating
+    steps the target emits tokens the draft has not seen: the bonus token, plain steps),
+    against plain decoding: the same tokens, every draft accepted (any misplaced KV would
+    show as a rejected draft). Returns the requests, the stats, the draft's history writes
+    and its proposal passes."""
     prompts, _ = _workload(8)
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
-    config = {"method": "draft", "model": str(path), "num_speculative_tokens": 3}
+    config = {"method": "draft", "model": str(path), "num_speculative_tokens": 3, **extra}
     llm = LLM(str(path), max_model_len=512, num_kv_blocks=256, speculative_config=config)
     speculator = llm.engine.speculator
     speculate_always(speculator)
@@ -209,19 +225,56 @@ def test_the_draft_catches_up_inside_its_first_proposal_pass(tiny_model_dir):
         return prepare(running, waiting)
 
     speculator.prepare = one_step_in_three_plain
-    writes = []
-    write_kv = proposer.runner.write_kv
+    writes, passes = [], []
+    write_kv, forward = proposer.runner.write_kv, proposer.runner.forward_logits
     proposer.runner.write_kv = lambda sched: writes.append(sched) or write_kv(sched)
+    proposer.runner.forward_logits = lambda sched: passes.append(sched) or forward(sched)
     want = LLM(str(path), max_model_len=512, num_kv_blocks=256).generate(prompts, params)
     got = llm.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     stats = llm.engine.stats()
     assert stats.spec_accepted_tokens == stats.spec_draft_tokens > 0
+    assert not proposer._seqs and len(proposer._free) == proposer.num_blocks
+    return got, stats, writes, passes
+
+
+def test_the_draft_catches_up_inside_its_first_proposal_pass(tiny_model_dir):
+    """With its own KV, the draft's first pass takes the tokens it has not seen with the
+    last token, and only a prompt is written ahead of the proposal passes."""
+    path, _ = tiny_model_dir("llama-gqa")
+    got, stats, writes, passes = _one_step_in_three_plain(path, OWN_KV)
     # Prompts only: each written once, before the request's first proposal.
     written = [s for sched in writes for s in sched.scheduled]
     assert sorted({s.request_id for s in written}) == sorted(r.request_id for r in got)
     assert all(s.start_pos == 0 for s in written)
     assert len(writes) < stats.spec_num_drafts / 8
+    assert max(s.num_tokens - s.num_draft_tokens for p in passes for s in p.scheduled) > 1
+
+
+def test_the_draft_reads_its_history_from_the_target_cache(tiny_model_dir):
+    """A draft of the target's own model computes no history: its prompt and every token
+    it has not seen come from the target's cache, and each pass carries one token of a
+    request (and the lookup's guesses after it). Every draft accepted shows the copied KV
+    in the right slots."""
+    path, _ = tiny_model_dir("llama-gqa")
+    _, _, writes, passes = _one_step_in_three_plain(path, {})
+    assert not writes
+    assert all(s.num_tokens == 1 + s.num_draft_tokens for p in passes for s in p.scheduled)
+
+
+def test_draft_kv_from_target_says_why_it_cannot(tiny_model_dir):
+    """Asked for where it cannot be had, an error that says why; left unset, the draft
+    computes its own KV there."""
+    gemma, _ = tiny_model_dir("gemma3")
+    other, _ = tiny_model_dir("llama-gqa")
+    for path, draft, words in [(gemma, gemma, "sliding-window"),
+                               (other, tiny_model_dir("llama-tied")[0], "not the target's own")]:
+        config = {"method": "draft", "model": str(draft), "num_speculative_tokens": 2}
+        with pytest.raises(ModelLoadError, match=words):
+            LLM(str(path), max_model_len=128, num_kv_blocks=128,
+                speculative_config=config | {"draft_kv_from_target": True})
+        llm = LLM(str(path), max_model_len=128, num_kv_blocks=128, speculative_config=config)
+        assert llm.engine.speculator.proposer.target_kv is None
 
 
 def test_prompt_only_requests_beside_speculating_ones(tiny_model_dir):

@@ -571,6 +571,9 @@ def test_speculative_config_from_json_names_what_is_wrong():
                         ('{"method": "draft", "model": "m", "draft_prompt_lookup": "yes"}',
                          "true or false"),
                         ('{"draft_prompt_lookup": false}', 'method "draft" only'),
+                        ('{"method": "draft", "model": "m", "draft_kv_from_target": 1}',
+                         "draft_kv_from_target must be true or false"),
+                        ('{"draft_kv_from_target": true}', 'method "draft" only'),
                         ('{"adaptive": "no"}', "adaptive must be true or false"),
                         ('{"num_speculative_token": 4}', "unknown speculative config keys"),
                         ("[1]", "JSON object"), ("{", "not valid JSON")]:

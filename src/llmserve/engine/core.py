@@ -118,8 +118,14 @@ class EngineCore:
         # A draft model keeps one block table per request, each block holding all its
         # layers: as many blocks as the target's cache would have in one group.
         kv = self.kv_manager
+        # A draft of the target's own model may read histories from the target's cache.
+        from llmserve.spec_decode.draft import TargetKV
+
+        target_kv = TargetKV(self.runner.kv_caches, self.kv_spec.dtype_name,
+                             lambda rid: kv.get_block_ids(rid)[0], kv.num_groups)
         proposer = build_proposer(spec, target=self.loaded, engine_config=config,
-                                  num_blocks=max(1, kv.num_blocks // kv.num_groups))
+                                  num_blocks=max(1, kv.num_blocks // kv.num_groups),
+                                  target_kv=target_kv)
         cost = StepCost(self._measure_step_costs(spec.num_speculative_tokens))
         logger.info("speculative decoding: %s, up to %d draft tokens per request and step; "
                     "measured %s", spec.method, spec.num_speculative_tokens, cost)

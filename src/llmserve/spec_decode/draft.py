@@ -22,6 +22,14 @@ expected to add pay that prefill back (``catch_up_seconds``, planner.catch_up_pa
 proposal that the target then accepts is already in the draft's cache: the next call starts
 after it.
 
+A draft that is the target's own model in another weight format (the int4 copy drafting for
+float32), or its first layers, computes no history at all (``draft_kv_from_target``): the
+target's cache holds the keys and values of every token but a decoding request's last, for
+the same layers of the same model, computed from better weights. They are copied into the
+draft's cache (in its own format) instead: no prefill of the prompt in the draft, and the
+first pass carries the last token only. This is the KV sharing of quantized
+self-speculation (QSpec); the proposals change, the verification and so the output do not.
+
 Proposals are greedy, so each is deterministic given the history, and the target's rule
 for deterministic proposals (keep a draft while the target's own sample equals it) is exact
 in distribution; see ``runner/model_runner.py``.
@@ -33,12 +41,17 @@ as without speculation); its cache is kept for later.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from llmserve.attention.kv_format import resolve_kv_cache_dtype
+from llmserve.attention.kv_format import (
+    PagedKVCache,
+    kv_bytes_per_vector,
+    resolve_kv_cache_dtype,
+)
 from llmserve.config import EngineConfig, SpeculativeConfig
 from llmserve.engine.request import Request
 from llmserve.errors import ModelLoadError
@@ -62,12 +75,23 @@ class _DraftSequence:
     # but its last token (positions num_computed ...)
 
 
+@dataclass
+class TargetKV:
+    """The target's KV cache, for a draft of the same model to read histories from."""
+
+    caches: Sequence[object]  # per target layer (a PagedKVCache where it can be read)
+    dtype: str  # their format (the draft's cache takes it)
+    block_table: Callable[[str], list[int]]  # a request's blocks (its first KV group's)
+    num_groups: int = 1  # KV cache groups (sliding-window layers have their own)
+
+
 class DraftProposer:
     cheap = False  # a model runs: plan first, then propose only what the plan uses
 
     def __init__(self, config: SpeculativeConfig, *, target: LoadedModel,
                  engine_config: EngineConfig, num_blocks: int,
-                 draft: LoadedModel | None = None) -> None:
+                 draft: LoadedModel | None = None,
+                 target_kv: TargetKV | None = None) -> None:
         mc = engine_config.model
         self.loaded = draft or load_model(config.model, mc.device,
                                           quantization=config.quantization, dtype=mc.dtype,
@@ -81,12 +105,29 @@ class DraftProposer:
                                  "target's tokenizer")
         self.block_size = engine_config.cache.block_size
         self.budget = engine_config.scheduler.max_num_batched_tokens
+        why_not = _why_not_target_kv(self.loaded, target, target_kv)
+        if config.draft_kv_from_target and why_not:
+            raise ModelLoadError(f"draft_kv_from_target: {why_not}")
+        self.target_kv = target_kv if config.draft_kv_from_target is not False \
+            and not why_not else None
         fmt = self.loaded.weight_format
         kv_dtype = resolve_kv_cache_dtype(engine_config.cache.kv_cache_dtype, fmt.dtype,
                                           fmt.quantization, str(mc.device))
+        if self.target_kv:
+            # Blocks are copied as they are: the draft's cache takes the target's format,
+            # in the memory its own format would have taken (fewer blocks of a wider one).
+            own = kv_bytes_per_vector(kv_dtype, arch.head_dim)
+            kv_dtype = self.target_kv.dtype
+            num_blocks = max(1, num_blocks * own // kv_bytes_per_vector(kv_dtype, arch.head_dim))
         self.runner = ModelRunner(self.loaded.model, arch, num_blocks=num_blocks,
                                   block_size=self.block_size, device=mc.device,
                                   kv_cache_dtype=kv_dtype)
+        if self.target_kv and not all(isinstance(c, PagedKVCache)
+                                      for c in self.runner.kv_caches):
+            if config.draft_kv_from_target:
+                raise ModelLoadError("draft_kv_from_target: the draft's KV cache is in a GPU "
+                                     "backend's layout (triton_paged)")
+            self.target_kv = None
         self.num_blocks = num_blocks
         self.num_speculative_tokens = config.num_speculative_tokens
         self._free = list(range(num_blocks - 1, -1, -1))
@@ -96,10 +137,13 @@ class DraftProposer:
         self.guessed = self.guesses_kept = 0  # prompt-lookup guesses checked, confirmed
         self.step_seconds = self._time_step()
         self.last_catch_up_seconds = 0.0
-        self.prefill_token_seconds = self._time_prefill()
+        self.prefill_token_seconds = (self._time_copy() if self.target_kv
+                                      else self._time_prefill())
         logger.info("draft model: %s, %d layers; a proposal step %.2f ms, a history token "
-                    "written %.3f ms", self.loaded.describe(), arch.num_hidden_layers,
-                    self.step_seconds * 1e3, self.prefill_token_seconds * 1e3)
+                    "%s %.3f ms", self.loaded.describe(), arch.num_hidden_layers,
+                    self.step_seconds * 1e3,
+                    "copied from the target's cache" if self.target_kv else "written",
+                    self.prefill_token_seconds * 1e3)
 
     # ---- Proposer ------------------------------------------------------------------------
 
@@ -112,7 +156,8 @@ class DraftProposer:
             if k <= 0:
                 continue
             seq = self._seqs.setdefault(r.request_id, _DraftSequence())
-            seq.num_computed += _kept(seq, r.all_token_ids)
+            if self.target_kv is None:  # else the target's KV replaces the draft's own
+                seq.num_computed += _kept(seq, r.all_token_ids)
             seq.proposed = []
             # KV for the history and for all but the last of the k proposals.
             if self._reserve(seq, r.num_tokens + k - 1):
@@ -141,8 +186,11 @@ class DraftProposer:
                 self.guesses_kept += confirmed
             todo = [(i, r, seq, proposals[i][-1:], r.num_tokens - 1 + len(proposals[i]))
                     for i, r, seq, _, _ in todo if len(proposals[i]) < counts[i]]
+        # Held: the history (with the target's KV, from its own cache: the last token's is
+        # the draft's and is copied again next time).
+        held = 1 if self.target_kv is None else 0
         for i, r, seq in active:
-            seq.num_computed = r.num_tokens
+            seq.num_computed = r.num_tokens - 1 + held
             seq.proposed = proposals[i]
         return proposals
 
@@ -154,7 +202,8 @@ class DraftProposer:
         seq = self._seqs.get(request.request_id)
         if seq is not None and seq.num_computed > 0:
             return 0.0
-        return self._first_pass_start(request, 0) * self.prefill_token_seconds
+        written = request.num_tokens - 1 if self.target_kv else self._first_pass_start(request, 0)
+        return written * self.prefill_token_seconds
 
     def free(self, request_id: str) -> None:
         if self.lookup is not None:
@@ -173,6 +222,46 @@ class DraftProposer:
         blocks = self._free[-1:]
         self.runner.time_verify_step(1, blocks, repeats=2)  # first-call costs
         return self.runner.time_verify_step(1, blocks)
+
+    def _time_copy(self, num_tokens: int = 64) -> float:
+        """Seconds per token of copying a history from the target's cache (best of a few):
+        the target's first blocks are read, the draft's free blocks written."""
+        num_blocks = min(-(-num_tokens // self.block_size), len(self._free),
+                         self.target_kv.caches[0].num_blocks)
+        best = float("inf")
+        for _ in range(3):
+            start = time.perf_counter()
+            self._copy_blocks(list(range(num_blocks)), self._free[-num_blocks:])
+            best = min(best, time.perf_counter() - start)
+        return best / max(num_blocks * self.block_size, 1)
+
+    def _copy_history(self, spans: list[tuple[Request, _DraftSequence, int, int]]) -> None:
+        """Copy the target's keys and values of positions [start, end) of each request into
+        the draft's cache: the whole blocks that hold them, which position for position
+        are laid out alike in both caches. The other slots of those blocks are harmless:
+        before ``start`` the target's own keys and values of the same tokens, from ``end``
+        on slots the draft writes before it reads them."""
+        bs = self.block_size
+        source: list[int] = []
+        target: list[int] = []
+        for r, seq, start, end in spans:
+            if end > start:
+                table = self.target_kv.block_table(r.request_id)
+                source += table[start // bs:(end - 1) // bs + 1]
+                target += seq.blocks[start // bs:(end - 1) // bs + 1]
+        if source:
+            self._copy_blocks(source, target)
+
+    def _copy_blocks(self, source: list[int], target: list[int]) -> None:
+        """Blocks ``source`` of the target's cache into blocks ``target`` of the draft's,
+        in every draft layer (both caches hold the same format)."""
+        src_ids = torch.tensor(source, dtype=torch.int64)
+        dst_ids = torch.tensor(target, dtype=torch.int64)
+        for src, dst in zip(self.target_kv.caches, self.runner.kv_caches):
+            for a, b in ((src.key, dst.key), (src.value, dst.value),
+                         (src.key_scale, dst.key_scale), (src.value_scale, dst.value_scale)):
+                if a is not None:
+                    b.index_copy_(0, dst_ids, a.index_select(0, src_ids))
 
     def _time_prefill(self, num_tokens: int = 64) -> float:
         """Seconds per token of writing a history into the draft's cache (best of a few
@@ -239,6 +328,10 @@ class DraftProposer:
         pass starts. It takes at most ``num_speculative_tokens + 1`` tokens before the last
         (what one speculating step emits) and its requests' tokens stay within the budget;
         the rest of a history is written here."""
+        if self.target_kv is not None:  # all but the last token from the target's cache
+            self._copy_history([(r, seq, seq.num_computed, r.num_tokens - 1)
+                                for _, r, seq in active])
+            return {r.request_id: r.num_tokens - 1 for _, r, _ in active}
         first = {r.request_id: self._first_pass_start(r, seq.num_computed)
                  for _, r, seq in active}
         if sum(r.num_tokens - first[r.request_id] for _, r, _ in active) > self.budget:
@@ -259,6 +352,27 @@ class DraftProposer:
             if not items:
                 return first
             self.runner.write_kv(SchedulerOutput(items, used))
+
+
+def _why_not_target_kv(draft: LoadedModel, target: LoadedModel,
+                       target_kv: TargetKV | None) -> str:
+    """Why the draft cannot read its histories from the target's cache ('' if it can)."""
+    if target_kv is None:
+        return "no target cache was given"
+    if draft.path.resolve() != target.path.resolve():
+        return (f"the draft ({draft.path.name}) is not the target's own model "
+                f"({target.path.name}) in another format")
+    a, b = draft.arch_config, target.arch_config
+    if (a.num_key_value_heads, a.head_dim) != (b.num_key_value_heads, b.head_dim) \
+            or a.num_hidden_layers > b.num_hidden_layers:
+        return "the draft's layers differ from the target's"
+    if target_kv.num_groups != 1 or any(b.window(i) is not None
+                                        for i in range(b.num_hidden_layers)):
+        return "the model has sliding-window layers (the target releases their old blocks)"
+    if not all(isinstance(c, PagedKVCache) for c in target_kv.caches):
+        return ("the target's KV cache is in a GPU backend's layout (triton_paged); the "
+                "draft reads the paged format of the CPU and torch backends only")
+    return ""
 
 
 def _agreed(guess: list[int], tokens: list[int]) -> int:
