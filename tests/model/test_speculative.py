@@ -9,8 +9,10 @@ import itertools
 import random
 
 import pytest
+import torch
 
 from llmserve import LLM, SamplingParams
+from llmserve.attention.kv_format import kv_bytes_per_vector
 from llmserve.errors import ModelLoadError
 from llmserve.spec_decode import StepCost
 
@@ -260,6 +262,21 @@ def test_the_draft_reads_its_history_from_the_target_cache(tiny_model_dir):
     _, _, writes, passes = _one_step_in_three_plain(path, {})
     assert not writes
     assert all(s.num_tokens == 1 + s.num_draft_tokens for p in passes for s in p.scheduled)
+
+
+def test_a_draft_reading_the_target_cache_takes_its_format_in_its_own_memory(tiny_model_dir):
+    """The int4 copy drafting for float32: its cache holds float32 blocks (copied as they
+    are), as many as fit in the bytes its own int8 cache would have taken."""
+    path, _ = tiny_model_dir("llama-gqa")
+    config = {"method": "draft", "model": str(path), "quantization": "int4",
+              "num_speculative_tokens": 2}
+    llm = LLM(str(path), max_model_len=128, num_kv_blocks=128, speculative_config=config)
+    proposer = llm.engine.speculator.proposer
+    head_dim = llm.engine.loaded.arch_config.head_dim
+    assert proposer.target_kv is not None
+    assert proposer.runner.kv_caches[0].key.dtype == torch.float32
+    assert proposer.num_blocks == 128 * kv_bytes_per_vector("int8", head_dim) \
+        // kv_bytes_per_vector("float32", head_dim)
 
 
 def test_draft_kv_from_target_says_why_it_cannot(tiny_model_dir):

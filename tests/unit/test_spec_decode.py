@@ -27,6 +27,7 @@ from llmserve.spec_decode.planner import (
     catch_up_pays,
     expected_remaining,
     guard_allows,
+    judged_drafts,
 )
 from llmserve.spec_decode.suffix import SharedHistory, SuffixProposer, suffix_propose
 from tests.unit.test_sampling_distribution import CHI2_CRIT_0001
@@ -332,7 +333,7 @@ def test_a_model_proposer_speculates_only_for_a_large_gain(cheap, cost, known, d
                       Proposer(1, 4), cost, 256)
     spec.guard = False
     if known:
-        spec.pool = AcceptancePool(accepted=49, drafted=100)  # 0.49, as the fresh prior
+        spec.pool = AcceptancePool(accepted=49, judged=100)  # 0.49, as the fresh prior
     requests = decoding_requests("a", "b", "c")
     spec.prepare(requests, [])
     assert [bool(r.draft_token_ids) for r in requests] == drafted
@@ -354,7 +355,7 @@ def test_a_draft_model_keeps_learning_until_its_acceptance_is_known(accepted, dr
     spec = Speculator(SpeculativeConfig(method="ngram", num_speculative_tokens=4),
                       Proposer(1, 4), StepCost([(1, 0.010), (5, 0.010), (64, 0.19)]), 256)
     spec.guard = False
-    spec.pool = AcceptancePool(accepted=accepted, drafted=drafted)
+    spec.pool = AcceptancePool(accepted=accepted, judged=drafted)
     requests = decoding_requests("a", "b", "c")
     spec.prepare(requests, [])
     assert sum(bool(r.draft_token_ids) for r in requests) == (1 if learns else 0)
@@ -388,7 +389,7 @@ def test_a_model_proposer_waits_for_decode_only_steps(cheap):
     spec = Speculator(SpeculativeConfig(method="ngram", num_speculative_tokens=4),
                       Proposer(1, 4), free_rows, 256)
     spec.guard = False
-    spec.pool = AcceptancePool(accepted=90, drafted=100)
+    spec.pool = AcceptancePool(accepted=90, judged=100)
     running = Request("a", [1, 2, 3, 1, 2, 3, 1, 2], SamplingParams(max_tokens=64),
                       max_tokens=64)
     running.num_computed_tokens = running.num_tokens - 1
@@ -407,8 +408,26 @@ def test_acceptance_pool_is_a_decayed_rate_over_all_requests():
     kept = [(d, a) for d, a in history if d]
     weights = [0.9 ** (len(kept) - 1 - i) for i in range(len(kept))]
     acc = sum(w * a for w, (_, a) in zip(weights, kept))
-    drafted = sum(w * d for w, (d, _) in zip(weights, kept))
-    assert pool.rate == pytest.approx((acc + 1) / (drafted + 2))
+    judged = sum(w * (a + (a < d)) for w, (d, a) in zip(weights, kept))
+    assert pool.rate == pytest.approx((acc + 1) / (judged + 2))
+
+
+@pytest.mark.parametrize("rate", [0.3, 0.7, 0.95])
+def test_accepted_over_judged_drafts_recovers_the_acceptance_rate(rate):
+    """Drafts accepted one after another with probability ``rate`` each, as the planner
+    models them, verified 8 at a time: accepted over judged drafts recovers the rate;
+    accepted over drafted ones (the drafts after a rejection counted as rejected, though
+    never tested) falls far below it."""
+    rng = random.Random(11)
+    accepted = judged = drafted = 0
+    for _ in range(4000):
+        run = 0
+        while run < 8 and rng.random() < rate:
+            run += 1
+        accepted, drafted = accepted + run, drafted + 8
+        judged += judged_drafts(8, run)
+    assert accepted / judged == pytest.approx(rate, abs=0.02)
+    assert accepted / drafted < rate - 0.1
 
 
 def test_a_new_request_starts_from_the_pools_rate():
@@ -432,7 +451,8 @@ def test_a_draft_models_speculator_pools_acceptance_from_every_verification(chea
                              ScheduledRequest("c", [1] * 40, 0, [[0]], True, params)], 45)
     spec.observe(mixed, ModelRunnerOutput({"a": [5, 6, 7], "c": [9]}), 0.5)
     # Mixed steps count here too; a lookup's requests keep their own prior (no pool).
-    assert (spec.pool.drafted, spec.pool.accepted) == ((0, 0) if cheap else (4, 2))
+    # 4 drafts, 2 accepted: 3 judged (the third was rejected, the fourth never tested).
+    assert (spec.pool.judged, spec.pool.accepted) == ((0, 0) if cheap else (3, 2))
 
 
 
@@ -501,7 +521,7 @@ def test_a_draft_model_skips_requests_whose_catch_up_does_not_pay():
     spec = Speculator(SpeculativeConfig(method="ngram", num_speculative_tokens=4),
                       proposer, cost, 256)
     spec.guard = False
-    spec.pool = AcceptancePool(accepted=95, drafted=100)
+    spec.pool = AcceptancePool(accepted=95, judged=100)
     # No request has finished yet: the allowance (256 - 50) counts: drafted.
     fresh = _decoding("a", 200, 50)
     assert spec.prepare([fresh], []) > 0 and "a" in proposer.followed
@@ -533,21 +553,21 @@ def test_a_faded_record_weighs_less_against_the_prior():
 
 
 def test_a_draft_models_request_speculates_again_after_a_bad_stretch():
-    """One verification with 1 of 9 drafts accepted puts the request's estimate below what a
-    draft model's plan takes; with no new evidence it would never speculate again. Its
-    record fades over the steps it runs plain, back towards the pool's 90%."""
+    """Four verifications that rejected the first of 8 drafts put the request's estimate
+    below what a draft model's plan takes; with no new evidence it would never speculate
+    again. Its record fades over the steps it runs plain, back towards the pool's 90%."""
     cost = StepCost([(1, 0.020), (1 << 20, 0.020)])
     spec = Speculator(SpeculativeConfig(method="ngram", num_speculative_tokens=8),
                       _CatchingUp(0.0), cost, 256)
     spec.guard = False
-    spec.pool = AcceptancePool(accepted=90, drafted=100)
+    spec.pool = AcceptancePool(accepted=90, judged=100)
     r = _decoding("a", 20, 10)
     assert spec.prepare([r], []) == 8
     params = SamplingParams(max_tokens=256)
     sched = SchedulerOutput([ScheduledRequest("a", [1] * 9, 29, [[0]], True, params,
                                               num_draft_tokens=8)], 9)
-    r.num_draft_tokens, r.num_accepted_tokens = 8, 1
-    spec.observe(sched, ModelRunnerOutput({"a": [7, 3]}), 0.02)
+    r.num_draft_tokens, r.num_accepted_tokens, r.num_judged_drafts = 32, 0, 4
+    spec.observe(sched, ModelRunnerOutput({"a": [7]}), 0.02)
     plain_steps = 0
     while spec.prepare([r], []) == 0:
         plain_steps += 1
@@ -654,6 +674,11 @@ def test_drafts_are_verified_and_the_output_is_the_truth(seed):
     stats = s.stats()
     assert 0 < stats.spec_accepted_tokens <= stats.spec_draft_tokens
     assert sum(stats.spec_accepted_per_pos) == stats.spec_accepted_tokens
+    # Judged: the accepted drafts and at most one rejected per verification.
+    for r in requests:
+        assert r.num_accepted_tokens <= r.num_judged_drafts <= r.num_draft_tokens
+    assert 0 < sum(r.num_judged_drafts - r.num_accepted_tokens for r in requests) \
+        <= stats.spec_num_drafts
 
 
 def test_a_stop_token_inside_an_accepted_run_ends_it_there():

@@ -74,6 +74,7 @@ class Request:
         self.draft_token_ids: list[int] = []
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
+        self.num_judged_drafts = 0  # accepted, and the first rejected of each verification
         self.prompt_logprobs: list | None = (
             [None] * len(prompt_token_ids) if sampling_params.prompt_logprobs is not None
             else None)

@@ -310,6 +310,8 @@ class Scheduler:
         req.num_computed_tokens -= num_drafts - num_accepted
         req.num_draft_tokens += num_drafts
         req.num_accepted_tokens += num_accepted
+        # The drafts after the first rejected one were never judged (the planner's rate).
+        req.num_judged_drafts += num_accepted + (num_accepted < num_drafts)
         self.spec_num_drafts += 1
         self.spec_draft_tokens += num_drafts
         self.spec_accepted_tokens += num_accepted

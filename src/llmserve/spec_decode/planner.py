@@ -110,37 +110,50 @@ def catch_up_pays(catch_up_seconds: float, remaining: float, token_seconds: floa
 
 
 # ---- acceptance rates ----------------------------------------------------------------------
+#
+# The plan's model: each draft is accepted with probability a, and only while every draft
+# before it was. A verification of d drafts that accepts x tests x + 1 of them when x < d (the
+# first rejected one ends it; the drafts after it were never judged) and d when x = d. So a
+# is estimated as accepted over judged drafts (the maximum-likelihood estimate under that
+# model), not over drafted ones: a request whose first draft of 8 is rejected has shown one
+# rejection, not eight.
+
+
+def judged_drafts(drafted: int, accepted: int) -> int:
+    """Drafts a verification judged: those accepted, and the first rejected one if any."""
+    return accepted + (accepted < drafted)
 
 
 @dataclass
 class AcceptancePool:
     """The proposer's acceptance rate per draft token over recent verifications of all
-    requests: exponentially decayed counts (``decay`` per verification), so that the rate
-    follows the workload. With nothing verified yet: 1/2."""
+    requests: exponentially decayed counts (``decay`` per verification) of accepted and
+    judged drafts, so that the rate follows the workload. With nothing verified yet: 1/2."""
 
     accepted: float = 0.0
-    drafted: float = 0.0
+    judged: float = 0.0
     decay: float = 0.98
 
     def observe(self, drafted: int, accepted: int) -> None:
         if drafted > 0:
             self.accepted = self.accepted * self.decay + accepted
-            self.drafted = self.drafted * self.decay + drafted
+            self.judged = self.judged * self.decay + judged_drafts(drafted, accepted)
 
     @property
     def rate(self) -> float:
-        return (self.accepted + 1) / (self.drafted + 2)
+        return (self.accepted + 1) / (self.judged + 2)
 
 
-def acceptance_estimate(accepted: float, drafted: float, prior: float,
+def acceptance_estimate(accepted: float, judged: float, prior: float,
                         weight: float = 2.0, fade: float = 1.0) -> float:
-    """A request's acceptance rate per draft token: its own counts, smoothed towards
-    ``prior`` (the pool's rate) as if ``weight`` drafts had been verified at that rate. A new
+    """A request's acceptance rate per draft token: its own counts (drafts accepted, drafts
+    judged: see judged_drafts), smoothed towards ``prior`` (the pool's rate) as if ``weight``
+    drafts had been judged at that rate. A new
     request of a draft model starts at what the draft achieves on the others (one that
     agrees with its target 95% of the time drafts fully from the first step), and its own
     record takes over as it grows. ``fade`` (in (0, 1]) scales its own counts: what is left
     of a record that has not grown for a while."""
-    return (accepted * fade + weight * prior) / (drafted * fade + weight)
+    return (accepted * fade + weight * prior) / (judged * fade + weight)
 
 
 # ---- what the steps actually cost ----------------------------------------------------------

@@ -76,7 +76,7 @@ class Speculator:
     # written into the draft's cache, a cost paid back over many speculating steps by one
     # user on an idle server, never by a busy batch (small gains, prefills all at once).
     MODEL_GAIN = 1.5
-    # Until the proposer's acceptance is known (this many draft tokens verified), one
+    # Until the proposer's acceptance is known (this many draft tokens judged), one
     # request a step speculates on the plan's MIN_GAIN: the gain depends on what it learns.
     LEARN_TOKENS = 32
     # Output lengths of recent finished requests: what a request is expected to add still.
@@ -138,14 +138,14 @@ class Speculator:
         # new evidence would come). A lookup's is one of the request's text: it starts from
         # 1/2 and keeps its record.
         if self.proposer.cheap:
-            acceptance = [acceptance_estimate(r.num_accepted_tokens, r.num_draft_tokens, 0.5)
+            acceptance = [acceptance_estimate(r.num_accepted_tokens, r.num_judged_drafts, 0.5)
                           for r in decoding]
         else:
             # While the pool is still learning (fewer than LEARN_TOKENS verified), a rejected
             # first draft or two is no verdict: below the fresh prior the plan would stop
             # drafting, and with no new drafts the pool would never learn again.
             prior = self.pool.rate
-            if self.pool.drafted < self.LEARN_TOKENS:
+            if self.pool.judged < self.LEARN_TOKENS:
                 prior = max(prior, AcceptancePool().rate)
             acceptance = []
             for r in decoding:
@@ -153,7 +153,7 @@ class Speculator:
                 last = self._verified_at.get(r.request_id)
                 idle = 0 if last is None else self._steps - 1 - last
                 acceptance.append(acceptance_estimate(
-                    r.num_accepted_tokens, r.num_draft_tokens, prior,
+                    r.num_accepted_tokens, r.num_judged_drafts, prior,
                     fade=self.FADE ** idle))
         # Planned as if every proposal were found: under load nothing is asked for at all.
         adaptive = self.config.adaptive
@@ -175,7 +175,7 @@ class Speculator:
                 chosen = [i for i, c in enumerate(counts) if c]
         if chosen and adaptive and not self.proposer.cheap and not any(
                 plan_drafts(acceptance, limits, **{**plan_kw, "min_gain": self.MODEL_GAIN})):
-            chosen = chosen[:1] if self.pool.drafted < self.LEARN_TOKENS else []
+            chosen = chosen[:1] if self.pool.judged < self.LEARN_TOKENS else []
         if chosen and adaptive and self.guard:
             arm = self.arms.setdefault(self._bucket, ArmStats())
             allowed = guard_allows(arm, arm.decisions)
