@@ -395,3 +395,17 @@ def test_prompt_lookup_guesses_stay_within_the_token_budget(tiny_model_dir):
     got = llm.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     assert proposer.guessed > 0 and max(sizes) <= proposer.budget
+
+
+def test_the_warm_up_request_is_not_taken_for_a_users(tiny_model_dir):
+    """The engine's warm-up request (2 tokens) leaves no output length behind: taken for
+    what requests generate, it made a draft model's first request look about to end, and
+    it ran without drafts from its second token to its last."""
+    path, _ = tiny_model_dir("llama-gqa")
+    config = {"method": "draft", "model": str(path), "num_speculative_tokens": 3}
+    llm = LLM(str(path), max_model_len=128, num_kv_blocks=64, speculative_config=config)
+    speculator = llm.engine.speculator
+    llm.engine.warm_up()
+    assert not speculator.lengths and speculator.pool.judged == 0
+    llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=9, ignore_eos=True))
+    assert list(speculator.lengths) == [9]

@@ -286,6 +286,10 @@ class EngineCore:
                          SamplingParams(max_tokens=2, temperature=0))
         while self.has_unfinished():
             self.step()
+        if self.speculator is not None:
+            # No user's request: its 2 tokens must not stand for what requests generate
+            # (it would keep a draft model off for the whole first request).
+            self.speculator.forget_requests()
         return time.perf_counter() - start
 
     def _resolve_max_model_len(self, kv_capacity_tokens: int) -> int:

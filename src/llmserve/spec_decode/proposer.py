@@ -242,5 +242,13 @@ class Speculator:
         self._verified_at.pop(request_id, None)
         self.proposer.free(request_id)
 
+    def forget_requests(self) -> None:
+        """Forget what was learned from the requests so far: their output lengths and the
+        draft's acceptance (the engine's warm-up request is no user's). The step timings
+        stay: they are the machine's."""
+        self.lengths.clear()
+        self.pool = AcceptancePool()
+        self._verified_at.clear()
+
     def reset(self) -> None:
         self.proposer.reset()
