@@ -25,9 +25,10 @@ after it.
 A draft that is the target's own model in another weight format (the int4 copy drafting for
 float32), or its first layers, computes no history at all (``draft_kv_from_target``): the
 target's cache holds the keys and values of every token but a decoding request's last, for
-the same layers of the same model, computed from better weights. They are copied into the
-draft's cache (in its own format) instead: no prefill of the prompt in the draft, and the
-first pass carries the last token only. This is the KV sharing of quantized
+the same layers of the same model, computed from better weights. The blocks that hold them
+are copied into the draft's cache as they are (which then takes the target's format)
+instead: no prefill of the prompt in the draft, and the first pass carries the last token
+only. This is the KV sharing of quantized
 self-speculation (QSpec); the proposals change, the verification and so the output do not.
 
 Proposals are greedy, so each is deterministic given the history, and the target's rule
