@@ -15,6 +15,7 @@ from llmserve import LLM, SamplingParams
 from llmserve.attention.kv_format import kv_bytes_per_vector
 from llmserve.errors import ModelLoadError
 from llmserve.spec_decode import StepCost
+from llmserve.spec_decode.draft import DraftProposer
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
          "prompt_lookup_max": 3}
@@ -174,28 +175,37 @@ def test_draft_model_output_identical(tiny_model_dir, draft):
         assert got == want, f"request {i}: {params[i]}"
 
 
-def _drafted_equals_plain(path, config: dict, max_tokens: int):
+def _drafted_equals_plain(path, config: dict, max_tokens: int, draft_blocks: int = 0,
+                          **kw):
     """8 greedy requests with the draft ``config`` (speculating every step) and without:
-    the same tokens. Returns the speculating LLM and its stats."""
+    the same tokens. ``draft_blocks``: the draft's cache cut to that many blocks. Returns the
+    speculating LLM and its stats."""
     prompts, _ = _workload(8)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    llm = LLM(str(path), max_model_len=512, num_kv_blocks=256, speculative_config=config)
+    llm = LLM(str(path), max_model_len=512, num_kv_blocks=256, speculative_config=config,
+              **kw)
     speculate_always(llm.engine.speculator)
-    want = LLM(str(path), max_model_len=512, num_kv_blocks=256).generate(prompts, params)
+    if draft_blocks:
+        proposer = llm.engine.speculator.proposer
+        proposer._free, proposer.num_blocks = proposer._free[-draft_blocks:], draft_blocks
+    want = LLM(str(path), max_model_len=512, num_kv_blocks=256, **kw).generate(prompts,
+                                                                              params)
     got = llm.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     return llm, llm.engine.stats()
 
 
-@pytest.mark.parametrize("name,extra", [("llama-gqa", {}), ("llama-gqa", OWN_KV),
-                                        ("gemma3", {})])
-def test_the_target_as_its_own_draft_is_always_accepted(tiny_model_dir, name, extra):
-    """With the history's KV copied from the target's cache, and with the draft's own.
-    Gemma 3 too (its own: the target's sliding-window groups release blocks while drafts
-    are verified and rolled back; window 32, sequences of up to 90 tokens)."""
+@pytest.mark.parametrize("name,extra,kv", [("llama-gqa", {}, "auto"),
+                                           ("llama-gqa", {}, "fp8_e4m3"),
+                                           ("llama-gqa", OWN_KV, "auto"),
+                                           ("gemma3", {}, "auto")])
+def test_the_target_as_its_own_draft_is_always_accepted(tiny_model_dir, name, extra, kv):
+    """With the history's KV copied from the target's cache (also fp8 blocks), and with the
+    draft's own. Gemma 3 too (its own: the target's sliding-window groups release blocks
+    while drafts are verified and rolled back; window 32, sequences of up to 90 tokens)."""
     path, _ = tiny_model_dir(name)
     config = {"method": "draft", "model": str(path), "num_speculative_tokens": 4, **extra}
-    llm, stats = _drafted_equals_plain(path, config, max_tokens=30)
+    llm, stats = _drafted_equals_plain(path, config, max_tokens=30, kv_cache_dtype=kv)
     assert (llm.engine.speculator.proposer.target_kv is not None) == (
         name == "llama-gqa" and not extra)
     assert stats.spec_draft_tokens > 0
@@ -264,6 +274,31 @@ def test_the_draft_reads_its_history_from_the_target_cache(tiny_model_dir):
     assert all(s.num_tokens == 1 + s.num_draft_tokens for p in passes for s in p.scheduled)
 
 
+def test_a_copying_draft_makes_room_by_dropping_idle_copies(tiny_model_dir):
+    """A draft cache of 12 blocks for 8 requests of up to 90 tokens (6 blocks each): the
+    copies of requests not proposed for are dropped to make room, and copied again when
+    needed; the target as its own draft still has every draft accepted."""
+    path, _ = tiny_model_dir("llama-gqa")
+    config = {"method": "draft", "model": str(path), "num_speculative_tokens": 4}
+    evictions = []
+    evict = DraftProposer._evict
+
+    def counted(self, keep):
+        freed = evict(self, keep)
+        evictions.append(freed)
+        return freed
+
+    DraftProposer._evict = counted
+    try:
+        llm, stats = _drafted_equals_plain(path, config, max_tokens=30, draft_blocks=12)
+    finally:
+        DraftProposer._evict = evict
+    assert any(evictions)
+    assert stats.spec_accepted_tokens == stats.spec_draft_tokens > 0
+    proposer = llm.engine.speculator.proposer
+    assert not proposer._seqs and len(proposer._free) == proposer.num_blocks == 12
+
+
 def test_a_draft_reading_the_target_cache_takes_its_format_in_its_own_memory(tiny_model_dir):
     """The int4 copy drafting for float32: its cache holds float32 blocks (copied as they
     are), as many as fit in the bytes its own int8 cache would have taken."""
@@ -277,6 +312,9 @@ def test_a_draft_reading_the_target_cache_takes_its_format_in_its_own_memory(tin
     assert proposer.runner.kv_caches[0].key.dtype == torch.float32
     assert proposer.num_blocks == 128 * kv_bytes_per_vector("int8", head_dim) \
         // kv_bytes_per_vector("float32", head_dim)
+    # Never fewer than one request of the longest context (and its drafts) needs.
+    llm = LLM(str(path), max_model_len=512, num_kv_blocks=64, speculative_config=config)
+    assert llm.engine.speculator.proposer.num_blocks == -(-(512 + 2) // 16)
 
 
 def test_draft_kv_from_target_says_why_it_cannot(tiny_model_dir):
@@ -406,6 +444,6 @@ def test_the_warm_up_request_is_not_taken_for_a_users(tiny_model_dir):
     llm = LLM(str(path), max_model_len=128, num_kv_blocks=64, speculative_config=config)
     speculator = llm.engine.speculator
     llm.engine.warm_up()
-    assert not speculator.lengths and speculator.pool.judged == 0
+    assert not speculator.lengths
     llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=9, ignore_eos=True))
     assert list(speculator.lengths) == [9]

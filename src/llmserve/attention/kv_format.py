@@ -132,13 +132,13 @@ class PagedKVCache:
                 x = x.round_()
             scales[blocks, :, offsets] = s
         # Written as same-width integers: index_put_ has no float8 kernel on CPU.
-        codes = _as_int(x.to(cache.dtype))  # [T, Hkv, D]
+        codes = as_int(x.to(cache.dtype))  # [T, Hkv, D]
         p = self.pack
         if transposed:  # dimension d at [d // P, offset, d % P]
             tokens, heads, dim = codes.shape
-            _as_int(cache)[blocks, :, :, offsets] = codes.view(tokens, heads, dim // p, p)
+            as_int(cache)[blocks, :, :, offsets] = codes.view(tokens, heads, dim // p, p)
         else:  # token offset at [offset // P, d, offset % P]
-            _as_int(cache)[blocks, :, offsets // p, :, offsets % p] = codes
+            as_int(cache)[blocks, :, offsets // p, :, offsets % p] = codes
 
     def gather(self, block_ids: torch.Tensor, keys_out: torch.Tensor,
                values_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -176,7 +176,9 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 
 
-def _as_int(t: torch.Tensor) -> torch.Tensor:
+def as_int(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as integers of its element's width (a view): what indexing
+    copies on CPU, which has no float8 kernels for it."""
     return t.view(_INT_OF_SIZE[t.element_size()])
 
 

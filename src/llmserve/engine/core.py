@@ -122,7 +122,8 @@ class EngineCore:
         from llmserve.spec_decode.draft import TargetKV
 
         target_kv = TargetKV(self.runner.kv_caches, self.kv_spec.dtype_name,
-                             lambda rid: kv.get_block_ids(rid)[0], kv.num_groups)
+                             lambda rid: kv.get_block_ids(rid)[0], kv.num_groups,
+                             self.max_model_len)
         proposer = build_proposer(spec, target=self.loaded, engine_config=config,
                                   num_blocks=max(1, kv.num_blocks // kv.num_groups),
                                   target_kv=target_kv)

@@ -50,6 +50,7 @@ import torch
 
 from llmserve.attention.kv_format import (
     PagedKVCache,
+    as_int,
     kv_bytes_per_vector,
     resolve_kv_cache_dtype,
 )
@@ -84,6 +85,7 @@ class TargetKV:
     dtype: str  # their format (the draft's cache takes it)
     block_table: Callable[[str], list[int]]  # a request's blocks (its first KV group's)
     num_groups: int = 1  # KV cache groups (sliding-window layers have their own)
+    max_model_len: int = 0  # the longest context a request may reach
 
 
 class DraftProposer:
@@ -116,10 +118,14 @@ class DraftProposer:
                                           fmt.quantization, str(mc.device))
         if self.target_kv:
             # Blocks are copied as they are: the draft's cache takes the target's format,
-            # in the memory its own format would have taken (fewer blocks of a wider one).
+            # in the memory its own format would have taken (fewer blocks of a wider one),
+            # and never fewer than one request of the longest context needs.
             own = kv_bytes_per_vector(kv_dtype, arch.head_dim)
             kv_dtype = self.target_kv.dtype
-            num_blocks = max(1, num_blocks * own // kv_bytes_per_vector(kv_dtype, arch.head_dim))
+            one = -(-(self.target_kv.max_model_len + config.num_speculative_tokens)
+                    // self.block_size)
+            num_blocks = min(num_blocks, max(
+                one, num_blocks * own // kv_bytes_per_vector(kv_dtype, arch.head_dim)))
         self.runner = ModelRunner(self.loaded.model, arch, num_blocks=num_blocks,
                                   block_size=self.block_size, device=mc.device,
                                   kv_cache_dtype=kv_dtype)
@@ -160,8 +166,13 @@ class DraftProposer:
             if self.target_kv is None:  # else the target's KV replaces the draft's own
                 seq.num_computed += _kept(seq, r.all_token_ids)
             seq.proposed = []
-            # KV for the history and for all but the last of the k proposals.
-            if self._reserve(seq, r.num_tokens + k - 1):
+            # KV for the history and for all but the last of the k proposals. A copying
+            # draft's cache only holds copies: those of requests not proposed for now make
+            # room (they are copied again when next needed).
+            need = r.num_tokens + k - 1
+            if self._reserve(seq, need) or (self.target_kv is not None and self._evict(
+                    {q.request_id for q, n in zip(requests, counts) if n > 0})
+                    and self._reserve(seq, need)):
                 active.append((i, r, seq))
         if not active:
             return proposals
@@ -229,12 +240,16 @@ class DraftProposer:
         the target's first blocks are read, the draft's free blocks written."""
         num_blocks = min(-(-num_tokens // self.block_size), len(self._free),
                          self.target_kv.caches[0].num_blocks)
-        best = float("inf")
-        for _ in range(3):
+        cuda = self.runner.device.type == "cuda"
+        times = []
+        for _ in range(4):
             start = time.perf_counter()
             self._copy_blocks(list(range(num_blocks)), self._free[-num_blocks:])
-            best = min(best, time.perf_counter() - start)
-        return best / max(num_blocks * self.block_size, 1)
+            if cuda:
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        # The first copy touches the blocks' fresh pages: not counted.
+        return min(times[1:]) / max(num_blocks * self.block_size, 1)
 
     def _copy_history(self, spans: list[tuple[Request, _DraftSequence, int, int]]) -> None:
         """Copy the target's keys and values of positions [start, end) of each request into
@@ -256,13 +271,14 @@ class DraftProposer:
     def _copy_blocks(self, source: list[int], target: list[int]) -> None:
         """Blocks ``source`` of the target's cache into blocks ``target`` of the draft's,
         in every draft layer (both caches hold the same format)."""
-        src_ids = torch.tensor(source, dtype=torch.int64)
-        dst_ids = torch.tensor(target, dtype=torch.int64)
+        device = self.runner.kv_caches[0].key.device
+        src_ids = torch.tensor(source, dtype=torch.int64, device=device)
+        dst_ids = torch.tensor(target, dtype=torch.int64, device=device)
         for src, dst in zip(self.target_kv.caches, self.runner.kv_caches):
             for a, b in ((src.key, dst.key), (src.value, dst.value),
                          (src.key_scale, dst.key_scale), (src.value_scale, dst.value_scale)):
-                if a is not None:
-                    b.index_copy_(0, dst_ids, a.index_select(0, src_ids))
+                if a is not None:  # as integers of the same width: no float8 kernels on CPU
+                    as_int(b).index_copy_(0, dst_ids, as_int(a).index_select(0, src_ids))
 
     def _time_prefill(self, num_tokens: int = 64) -> float:
         """Seconds per token of writing a history into the draft's cache (best of a few
@@ -308,6 +324,17 @@ class DraftProposer:
         if proposed:
             history = np.concatenate([history, np.asarray(proposed, dtype=history.dtype)])
         return ngram_propose(history, self.lookup.min_n, self.lookup.max_n, count)
+
+    def _evict(self, keep: set[str]) -> bool:
+        """Free the blocks of every sequence but those of ``keep`` (a copying draft: their
+        histories are copied again from the target when next needed); whether any were."""
+        freed = False
+        for request_id, seq in self._seqs.items():
+            if request_id not in keep and seq.blocks:
+                self._free.extend(reversed(seq.blocks))
+                seq.blocks, seq.num_computed, seq.proposed = [], 0, []
+                freed = True
+        return freed
 
     def _reserve(self, seq: _DraftSequence, num_positions: int) -> bool:
         need = -(-num_positions // self.block_size) - len(seq.blocks)
