@@ -159,6 +159,7 @@ class DraftProposer:
         proposals: list[list[int]] = [[] for _ in requests]
         self.last_catch_up_seconds = 0.0
         active: list[tuple[int, Request, _DraftSequence]] = []
+        proposing = {r.request_id for r, k in zip(requests, counts) if k > 0}
         for i, (r, k) in enumerate(zip(requests, counts)):
             if k <= 0:
                 continue
@@ -170,9 +171,10 @@ class DraftProposer:
             # draft's cache only holds copies: those of requests not proposed for now make
             # room (they are copied again when next needed).
             need = r.num_tokens + k - 1
-            if self._reserve(seq, need) or (self.target_kv is not None and self._evict(
-                    {q.request_id for q, n in zip(requests, counts) if n > 0})
-                    and self._reserve(seq, need)):
+            reserved = self._reserve(seq, need)
+            if not reserved and self.target_kv is not None and self._evict(proposing):
+                reserved = self._reserve(seq, need)
+            if reserved:
                 active.append((i, r, seq))
         if not active:
             return proposals
@@ -207,8 +209,9 @@ class DraftProposer:
         return proposals
 
     def catch_up_seconds(self, request: Request) -> float:
-        """Seconds to write the history of a request the draft does not follow yet (its
-        prompt and output so far, but what the first proposal pass carries: see _catch_up).
+        """Seconds to write (or, reading the target's cache, copy) the history of a request
+        the draft does not follow yet (its prompt and output so far, but what the first
+        proposal pass carries: see _catch_up).
         Once it follows a request, what the draft lags after steps that did not speculate is
         written as part of proposing, and not counted here."""
         seq = self._seqs.get(request.request_id)
