@@ -107,18 +107,26 @@ int64_t check_int8_args(const at::Tensor& x, const at::Tensor& packed, const at:
 // unsigned operand; AVX2 keeps them signed). codes: [m][levels][k]; scales: [m][groups].
 void quantize_activations(const at::Tensor& x, int64_t levels, int64_t group, int32_t bias,
                           uint8_t* codes, float* scales) {
-  const int64_t m = x.size(0), k = x.size(1), groups = k / group;
+  const int64_t m = x.size(0), k = x.size(1), groups = k / group, stride = x.stride(0);
   const float* xp = x.data_ptr<float>();
   at::parallel_for(0, m, 8, [&](int64_t b, int64_t e) {
+    // Locals, not the captured references: the stores of codes may alias anything, and the
+    // loop would reload every capture behind them.
+    const float* x_rows = xp;
+    uint8_t* code_rows = codes;
+    float* row_scales = scales;
+    const int64_t in = k, row_stride = stride, n_levels = levels, n_groups = groups,
+                  size = group;
+    const int32_t offset = bias;
     for (int64_t r = b; r < e; ++r) {
-      uint8_t* row_codes = codes + levels * r * k;
-      const float* row = xp + r * x.stride(0);
-      if (levels == 2)
-        scales[r] = split_row(row, k, bias, row_codes, row_codes + k);
+      uint8_t* row_codes = code_rows + n_levels * r * in;
+      const float* row = x_rows + r * row_stride;
+      if (n_levels == 2)
+        row_scales[r] = split_row(row, in, offset, row_codes, row_codes + in);
       else
-        for (int64_t g = 0; g < groups; ++g)
-          scales[r * groups + g] =
-              split_row(row + g * group, group, bias, row_codes + g * group, nullptr);
+        for (int64_t g = 0; g < n_groups; ++g)
+          row_scales[r * n_groups + g] =
+              split_row(row + g * size, size, offset, row_codes + g * size, nullptr);
     }
   });
 }
