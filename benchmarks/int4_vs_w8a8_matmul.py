@@ -14,15 +14,10 @@ import statistics
 import time
 
 import torch
+from int_kernels_ab import SHAPES, layer_calls
 
 from llmserve.csrc import cpu_ops
-from llmserve.layers.quantization.int4 import pack_vnni as pack_int4
-from llmserve.layers.quantization.int4 import quantize_groups
-from llmserve.layers.quantization.int8 import pack_vnni as pack_int8
-from llmserve.layers.quantization.int8 import quantize_rows
-from llmserve.layers.quantization.w8a8 import BODY_GROUP, activation_group
 
-SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in): qkv, o, gate/up, down
 LAYERS = 30
 
 
@@ -37,28 +32,18 @@ def main() -> None:
     if ops is None or not ops.int_kernels:
         raise SystemExit("needs the compiled integer kernels (AVX-512 VNNI or AVX2)")
     gen = torch.Generator().manual_seed(0)
-    calls = {"int4": [], "w8a8": []}
-    for n, k in SHAPES * (LAYERS if args.cold else 1):
-        w = torch.randn(n, k, generator=gen) * 0.05
-        b = quantize_groups(w, 32)
-        packed, scale_zero = pack_int4(b.q, b.scale.half(), b.zero.half())
-        calls["int4"].append((k, lambda x, a=(packed, scale_zero, 32, n): ops.int4_linear(x, *a)))
-        q, w_scale = quantize_rows(w)
-        group = activation_group(k, BODY_GROUP)
-        packed8, excess = pack_int8(q.t().contiguous(), group)
-        padded = torch.zeros(excess.shape[1])
-        padded[:n] = w_scale
-        calls["w8a8"].append((k, lambda x, a=(packed8, excess, padded, n, 1, group):
-                              ops.int8_linear(x, *a)))
+    built = layer_calls(SHAPES * (LAYERS if args.cold else 1), gen)
+    calls = {fmt: [(k, lambda x, f=f: f(ops, x)) for k, f in built[fmt]]
+             for fmt in ("int4", "w8a8")}
     print("| rows | int4 ms (30 layers) | w8a8 ms | int4 / w8a8 |\n|---|---|---|---|")
     for m in (int(r) for r in args.rows.split(",")):
         xs = {k: torch.randn(m, k, generator=gen) for k in (576, 1536)}
         times: dict[str, list[float]] = {"int4": [], "w8a8": []}
         for _ in range(args.repeats):
-            for fmt, layer_calls in calls.items():
+            for fmt, fmt_calls in calls.items():
                 start = time.perf_counter()
                 for _ in range(1 if args.cold else LAYERS):
-                    for k, call in layer_calls:
+                    for k, call in fmt_calls:
                         call(xs[k])
                 times[fmt].append((time.perf_counter() - start) * 1e3)
         t4, t8 = statistics.median(times["int4"]), statistics.median(times["w8a8"])
