@@ -57,18 +57,27 @@ def load_tree(tree: Path, name: str, build_root: Path) -> ModuleType:
         build_directory=str(sources.parent), verbose=False)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_tree_arguments(p: argparse.ArgumentParser, build_dir: str) -> None:
+    """--baseline, --candidate and --build-dir: the two checkouts an A/B script compares."""
     p.add_argument("--baseline", required=True, type=Path, help="the other checkout")
     p.add_argument("--candidate", type=Path, default=HERE)
+    p.add_argument("--build-dir", type=Path, default=Path(build_dir))
+
+
+def load_trees(args: argparse.Namespace, prefix: str) -> dict[str, ModuleType]:
+    """The baseline's and the candidate's kernels, built as {prefix}_baseline / _candidate."""
+    return {name: load_tree(getattr(args, name).resolve(), f"{prefix}_{name}", args.build_dir)
+            for name in ("baseline", "candidate")}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_tree_arguments(p, "/tmp/llmserve_dense_ab")
     p.add_argument("--rows", default="1,6,7,8,13")
     p.add_argument("--repeats", type=int, default=9)
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    p.add_argument("--build-dir", type=Path, default=Path("/tmp/llmserve_dense_ab"))
     args = p.parse_args()
-    builds = {"baseline": load_tree(args.baseline.resolve(), "dense_ab_baseline", args.build_dir),
-              "candidate": load_tree(args.candidate.resolve(), "dense_ab_candidate",
-                                     args.build_dir)}
+    builds = load_trees(args, "dense_ab")
     gen = torch.Generator().manual_seed(0)
     dtype = getattr(torch, args.dtype)
 

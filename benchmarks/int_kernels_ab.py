@@ -18,10 +18,9 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from pathlib import Path
 
 import torch
-from dense_ab import HERE, load_tree
+from dense_ab import add_tree_arguments, load_trees
 
 from llmserve.layers.quantization.int4 import pack_vnni as pack_int4
 from llmserve.layers.quantization.int4 import quantize_groups
@@ -54,17 +53,13 @@ def layer_calls(shapes: list[tuple[int, int]], gen: torch.Generator) -> dict[str
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--baseline", required=True, type=Path, help="the other checkout")
-    p.add_argument("--candidate", type=Path, default=HERE)
+    add_tree_arguments(p, "/tmp/llmserve_int_ab")
     p.add_argument("--rows", default="1,8,64,512")
     p.add_argument("--formats", default="int4,w8a8,int8")
     p.add_argument("--shapes", default=None, help="out x in pairs, comma-separated")
     p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--build-dir", type=Path, default=Path("/tmp/llmserve_int_ab"))
     args = p.parse_args()
-    builds = {"baseline": load_tree(args.baseline.resolve(), "int_ab_baseline", args.build_dir),
-              "candidate": load_tree(args.candidate.resolve(), "int_ab_candidate",
-                                     args.build_dir)}
+    builds = load_trees(args, "int_ab")
     gen = torch.Generator().manual_seed(0)
     shapes = SHAPES if args.shapes is None else [
         tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
