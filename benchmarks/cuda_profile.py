@@ -2,9 +2,10 @@
 
 On the 1.07B Llama shape of ``cuda_bench.py`` (random bfloat16 weights):
 
-1. for each variant (programmatic dependent launch off, split linears' parts always in
-   programs of their own, the attention kernel's keys per tile and warps per program; each
-   still batch-invariant): the GPU time of one decode step at batch 1 and 64 (back-to-back
+1. for each variant (programmatic dependent launch off, the output head outside the decode
+   graphs, split linears' parts always in programs of their own, other split-K tilings,
+   the attention kernel's keys per tile, segment, warps and pipeline stages; each still
+   batch-invariant): the GPU time of one decode step at batch 1 and 64 (back-to-back
    replays of its CUDA graph), single-stream decode tokens/s through the engine and the
    prefill of 4096 tokens;
 2. ``torch.profiler`` over a few eager decode steps of the default variant: device time by
@@ -30,6 +31,7 @@ import cuda_bench as cb
 from llmserve import envs
 from llmserve.attention import triton_paged
 from llmserve.layers import triton_ops
+from llmserve.runner import cuda_graphs
 from llmserve.sampling_params import SamplingParams
 
 _IN_ORDER_TILES = triton_ops.IN_ORDER_TILES
@@ -37,6 +39,14 @@ VARIANTS = {
     "default": {},
     "no-pdl": {"pdl": False},
     "parts-parallel": {"in_order_tiles": 1 << 62},  # a split weight's parts never in order
+    "head-eager": {"graph_logits": False},  # the output head after the replay, eagerly
+    "splitk-1": {"tiles_per_sm": 1},  # fewer, longer parts (different sums)
+    "splitk-4": {"tiles_per_sm": 4},  # more, shorter parts
+    "split-bn32": {"split_block_n": 32},  # narrower tiles, fewer parts
+    "attn-seg256": {"attn_segment": 256},
+    "attn-seg128": {"attn_segment": 128},
+    "attn-stages2": {"attn_stages": 2},
+    "attn-stages4": {"attn_stages": 4},
     "attn-bn32": {"attn_block_n": 32},
     "attn-bn128": {"attn_block_n": 128},
     "attn-w2": {"attn_warps": 2},
@@ -47,13 +57,19 @@ VARIANTS = {
 
 
 def apply_variant(v: dict) -> None:
-    """Module knobs read at call time: programmatic dependent launch, when a split linear
-    sums its parts in one program per tile, the attention's keys per tile and warps per
-    program."""
+    """Module knobs read at call or capture time: programmatic dependent launch, the head in
+    the graphs, when a split linear sums its parts in one program per tile, the split-K
+    tiling, the attention's keys per tile and segment, warps and stages per program."""
     triton_ops.PDL = v.get("pdl", envs.LLMSERVE_PDL)
     triton_ops.IN_ORDER_TILES = v.get("in_order_tiles", _IN_ORDER_TILES)
+    triton_ops.TILES_PER_SM = v.get("tiles_per_sm", 2)
+    triton_ops.SPLIT_BLOCK_N = v.get("split_block_n", 64)
+    triton_ops.linear_config.cache_clear()
+    cuda_graphs.LOGITS = v.get("graph_logits", True)
     triton_paged.BLOCK_N = v.get("attn_block_n", 64)
+    triton_paged.SEGMENT = v.get("attn_segment", 512)
     triton_paged.WARPS = v.get("attn_warps", 4)
+    triton_paged.STAGES = v.get("attn_stages", 3)
 
 
 def replay_ms(core, size: int, repeats: int = 50) -> float:

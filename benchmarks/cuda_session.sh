@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One session on a lent GPU machine, from the repository root: the CUDA tests, then
 # benchmarks/cuda_bench.py, then the HTTP server on the GPU (benchmarks/cuda_server_smoke.py;
-# SKIP_TESTS=1, SKIP_BENCH=1 and SERVER=0 skip each), then, with PROFILE=variant,...,
+# SKIP_TESTS=1, SKIP_BENCH=1 and SERVER=0 skip each; TEST_FILES replaces the test files),
+# then, with PROFILE=variant,...,
 # benchmarks/cuda_profile.py's kernel table and those variants (PROFILE_TIMEOUT, default 120). Expects .gpu/whl (wheels of what the machine's image lacks for the
 # engine and the server) and .gpu/tokenizer (SmolLM2's tokenizer, saved), carried along
 # (benchmarks/cuda_payload.sh makes them). Writes logs and results to $OUT (default:
@@ -17,7 +18,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --f
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider --maxfail="${MAXFAIL:-1}" \
-      tests/unit/test_triton_ops.py tests/unit/test_triton_attention.py tests/model/test_cuda.py ${TEST_ARGS:-} \
+      ${TEST_FILES:-tests/unit/test_triton_ops.py tests/unit/test_triton_attention.py tests/model/test_cuda.py} ${TEST_ARGS:-} \
       2>&1 | tee "$OUT/pytest.log" | tail -25
 fi
 python3 - <<'PY'  # what the server would import and this machine's image lacks

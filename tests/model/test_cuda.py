@@ -14,6 +14,7 @@ import torch
 
 from llmserve import LLM, SamplingParams
 from llmserve.models.loader import load_model
+from llmserve.runner import cuda_graphs
 from llmserve.runner.scoring import sequence_logits
 from tests.model.test_async_scheduling import check_async_equals_sync
 from tests.model.test_batch_equivalence import _check_equivalence, _workload
@@ -70,6 +71,32 @@ def test_graph_replays_give_the_eager_tokens(tiny_model_dir):
         if graphs is not None:
             assert graphs.replays > 0 and graphs.buckets == [1, 2, 4, 8, 16]
     assert outs[False] == outs[True]
+
+
+def test_graph_logits_are_the_eager_logits(tiny_model_dir):
+    """The decode graphs compute the logits themselves (the head inside the graph, into a
+    buffer every bucket shares): greedy and seeded tokens and their log-probabilities, bit
+    for bit, as the eager head gives them; and with the head left out of the graphs."""
+    path, _ = tiny_model_dir("llama-gqa")
+    prompts, _ = _workload(5, 10, 200, 30)
+    params = [SamplingParams(temperature=0 if i % 2 else 0.8, seed=i, max_tokens=30,
+                             logprobs=3, ignore_eos=True) for i in range(len(prompts))]
+    outs = {}
+    for mode in ("graph-logits", "graph-hidden", "eager"):
+        cuda_graphs.LOGITS = mode == "graph-logits"
+        try:
+            llm = LLM(str(path), device="cuda", dtype="bfloat16", max_model_len=1024,
+                      enforce_eager=mode == "eager", max_num_seqs=16)
+        finally:
+            cuda_graphs.LOGITS = True
+        outs[mode] = [(o.outputs[0].token_ids, o.outputs[0].logprobs)
+                      for o in llm.generate(prompts, params)]
+        graphs = llm.engine.runner.graphs
+        if mode != "eager":
+            assert graphs.replays > 0
+            assert (graphs.logits is not None) == (mode == "graph-logits")
+    assert outs["graph-logits"] == outs["eager"]
+    assert outs["graph-hidden"] == outs["eager"]
 
 
 def test_seeded_sampling_is_reproducible_on_cuda(tiny_model_dir):

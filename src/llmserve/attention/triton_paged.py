@@ -28,6 +28,7 @@ SEGMENT = 512  # keys per split-K segment
 BLOCK_N = 64  # keys per tile
 BLOCK_M = 64  # query rows per program: BLOCK_Q tokens x the query heads of one KV head
 WARPS = 4  # per program of the attention kernel
+STAGES = 3  # of its key loop's software pipeline (Triton's default)
 assert SEGMENT % BLOCK_N == 0, "a segment is whole key tiles"
 
 # name -> (storage dtype, largest code for scaled formats, or None when stored as is)
@@ -241,7 +242,7 @@ class TritonPagedBackend:
             GROUP=group, GROUP_P=group_p, BLOCK_Q=block_q, HEAD_DIM=head_dim, HEAD_P=head_p,
             BLOCK_SIZE=kv_cache.block_size, BLOCK_N=BLOCK_N, SEGMENT=SEGMENT, SCALED=scaled,
             WINDOWED=window is not None, SPLIT=metadata.split, UPCAST=kern.INTERPRETED,
-            num_warps=WARPS, **launch)
+            num_warps=WARPS, num_stages=STAGES, **launch)
         if metadata.split:
             kern.combine_segments_kernel[(num_tokens, num_heads)](
                 metadata.positions, part_m, part_l, part_acc, part_start, out, window or 0,

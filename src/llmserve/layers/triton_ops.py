@@ -50,7 +50,11 @@ from llmserve import envs
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 _SMS = 132  # streaming multiprocessors of an H100/H200: enough tiles to fill them
-_TILES_PER_SM = 2  # split-K target: tiles per multiprocessor on a decode
+# Split-K on a decode: programs per multiprocessor aimed at, and the output tile's width
+# of a weight that splits. Part of the arithmetic (the parts), fixed per weight: read by
+# ``linear_config``, whose cache a benchmark clears when it switches them.
+TILES_PER_SM = 2
+SPLIT_BLOCK_N = 64
 _LINEAR_WARPS, _LINEAR_STAGES = 4, 3
 # How the parts of a split linear are added (envs.LLMSERVE_SPLITK_REDUCE); read at call
 # time from this module's global, so that tests can switch it.
@@ -61,7 +65,7 @@ PDL = envs.LLMSERVE_PDL  # read at call time, like SPLITK_REDUCE
 # sums its parts in one program per tile (``in_order``); read at call time, so that tests
 # and benchmarks can switch it. Not yet measured on a GPU: a guess that keeps it to large
 # prefills, whose partials cost several times the product.
-IN_ORDER_TILES = 4 * _TILES_PER_SM * _SMS
+IN_ORDER_TILES = 4 * TILES_PER_SM * _SMS
 
 
 @functools.cache
@@ -200,11 +204,12 @@ def linear_config(n: int, k: int) -> tuple[int, int, int, int]:
     float32 per part, which cost more than the product)."""
     block_k = 128 if k >= 128 else max(16, triton.next_power_of_2(k))
     block_n = 128 if n >= 2 * _SMS * 128 else 64
-    tiles = triton.cdiv(n, block_n)
     k_tiles = triton.cdiv(k, block_k)
-    if tiles >= _SMS:
+    if triton.cdiv(n, block_n) >= _SMS:
         return 64, block_n, block_k, 1
-    splits = min(k_tiles, triton.cdiv(_TILES_PER_SM * _SMS, tiles))
+    block_n = SPLIT_BLOCK_N
+    tiles = triton.cdiv(n, block_n)
+    splits = min(k_tiles, triton.cdiv(TILES_PER_SM * _SMS, tiles))
     splits = triton.cdiv(k_tiles, triton.cdiv(k_tiles, splits))  # no empty part
     return 64, block_n, block_k, splits
 

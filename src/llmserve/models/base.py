@@ -32,11 +32,14 @@ class CausalLM(nn.Module):
         """Returns the final hidden states ``[T, hidden]``; see ``compute_logits``."""
         return self.model(input_ids, positions, ctx)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``hidden``: [N, hidden] at the positions that sample; returns [N, vocab] float32."""
-        if self.lm_head is None:
-            return self.model.embed_tokens.logits(hidden).float()
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
+        """``hidden``: [N, hidden] at the positions that sample; returns [N, vocab] float32,
+        written into ``out`` when given (a CUDA graph's static output: the widening copy
+        is the cast)."""
+        head = self.model.embed_tokens.logits if self.lm_head is None else self.lm_head
+        logits = head(hidden)
+        return logits.float() if out is None else out.copy_(logits)
 
     def load_weights(self, weights: Iterable[tuple[str, WeightSource]]) -> None:
         """Load Hugging Face-named tensors (each quantized as it arrives, by the layer it

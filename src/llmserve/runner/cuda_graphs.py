@@ -14,7 +14,11 @@ sequences replays the smallest graph of at least B, with the rows past B padded:
 - a step's inputs go from pinned host buffers in asynchronous copies, and the next step
   waits for those copies before it writes the buffers again;
 - with asynchronous scheduling, input tokens the step before sampled are copied on the
-  device from its sampled ids into the graph's input before the replay.
+  device from its sampled ids into the graph's input before the replay;
+- the output head is part of the graph (``LOGITS``): the step's float32 logits land in one
+  static buffer that every bucket shares, so that the host launches nothing between the
+  replay and the sampler (the head's kernel, the cast) and the GPU runs them without a gap.
+  The head's arithmetic is per row, so the logits are those of the eager path, bit for bit.
 
 Steps with a prefill chunk or speculative drafts run eagerly (``--enforce-eager``: every
 step). The same kernels run in both, with the same arithmetic per row, so a sequence's
@@ -35,6 +39,8 @@ from llmserve.logger import get_logger
 logger = get_logger(__name__)
 
 MAX_CONTEXT = 16384  # the longest context a captured decode step serves
+# Whether the graphs compute the logits (read at capture; benchmarks switch it to compare).
+LOGITS = True
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -73,6 +79,7 @@ class DecodeGraphs:
                       for name, t in self._static().items()}
         self._host["tables"] = self._host["tables"].view(-1)
         self._copied = torch.cuda.Event()  # recorded after a step's copies
+        self.logits: torch.Tensor | None = None  # [max_batch, vocab] float32, with LOGITS
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, object]] = {}
         self.capture_seconds = 0.0
         self.replays = 0  # steps served by a graph (tests, metrics)
@@ -93,13 +100,21 @@ class DecodeGraphs:
             ctx = self._context(size)
             ids, positions = self.input_ids[:size], self.positions[:size]
             for _ in range(2):  # compiles the kernels; settles the allocator
-                model(ids, positions, ctx)
+                hidden = model(ids, positions, ctx)
+                if LOGITS:
+                    if self.logits is None:  # the largest bucket's: the vocabulary is known
+                        vocab = model.compute_logits(hidden[:1]).shape[1]
+                        self.logits = hidden.new_empty(self.max_batch, vocab,
+                                                       dtype=torch.float32)
+                    model.compute_logits(hidden, out=self.logits[:size])
             torch.cuda.synchronize(self.runner.device)
             for rotary in rotaries:  # its per-step tables must be looked up inside the graph
                 rotary.forget_step()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 hidden = model(ids, positions, ctx)
+                if LOGITS:
+                    model.compute_logits(hidden, out=self.logits[:size])
             self._graphs[size] = (graph, hidden, ctx)  # ctx: keeps the metadata alive
         torch.cuda.synchronize(self.runner.device)
         self.capture_seconds = time.perf_counter() - start
@@ -115,8 +130,10 @@ class DecodeGraphs:
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
             tables: torch.Tensor, seq_lens: list[int],
-            fill: tuple[list[tuple[int, int]], torch.Tensor] | None = None) -> torch.Tensor:
-        """Hidden states [B, hidden] of a decode step: ``input_ids``, ``positions`` [B],
+            fill: tuple[list[tuple[int, int]], torch.Tensor] | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Hidden states [B, hidden] and, with ``LOGITS`` at capture, float32 logits
+        [B, vocab] (else None) of a decode step: ``input_ids``, ``positions`` [B],
         ``slots`` [G, B], ``tables`` [G, B, width] (host or device tensors). ``fill``: the
         (row, row of the step before) of input tokens to take from the step before's
         sampled ids (a device tensor), in place of the placeholders in ``input_ids``."""
@@ -153,7 +170,7 @@ class DecodeGraphs:
         self._copied.record()
         graph.replay()
         self.replays += 1
-        return hidden[:size]
+        return hidden[:size], None if self.logits is None else self.logits[:size]
 
     def _static(self) -> dict[str, torch.Tensor]:
         return {"input_ids": self.input_ids, "positions": self.positions, "slots": self.slots,

@@ -135,7 +135,7 @@ class ModelRunner:
         if constrained:
             assert self.grammar is not None, "structured outputs need a GrammarBackend"
             masks = self.grammar.submit(constrained)  # computed while the model runs
-        hidden, ends = self._forward(sched, prev)
+        hidden, ends, graph_logits = self._forward(sched, prev)
         out = ModelRunnerOutput()
         for i, s in enumerate(sched.scheduled):
             if s.sampling_params.prompt_logprobs is not None:
@@ -147,9 +147,14 @@ class ModelRunner:
         # k + 1 rows per request with k drafts: its last known token, then each draft.
         row_ids = [ends[i] - s.num_draft_tokens + j
                    for i, s in sampling for j in range(s.num_draft_tokens + 1)]
-        # When every row samples (decodes, verification rows) they are in order: no gather.
-        at_rows = hidden[row_ids] if len(row_ids) < hidden.shape[0] else hidden
-        logits = self.model.compute_logits(at_rows)
+        # When every row samples (decodes, verification rows) they are in order: no gather,
+        # and a replayed decode step has computed their logits already.
+        if len(row_ids) < hidden.shape[0]:
+            logits = self.model.compute_logits(hidden[row_ids])
+        elif graph_logits is not None:
+            logits = graph_logits
+        else:
+            logits = self.model.compute_logits(hidden)
         if masks is not None:
             logits = apply_token_bitmask(logits, self._constrained_rows(sampling),
                                          masks.result())
@@ -179,7 +184,7 @@ class ModelRunner:
         """Run the step's forward pass (writing its KV); logits float32 [N, vocab] for the
         requests that sample, in schedule order: ``num_draft_tokens + 1`` rows each (the
         last known token and each proposal after it; one row without proposals)."""
-        hidden, ends = self._forward(sched)
+        hidden, ends, _ = self._forward(sched)
         rows = [ends[i] - s.num_draft_tokens + j for i, s in enumerate(sched.scheduled)
                 if s.sample for j in range(s.num_draft_tokens + 1)]
         return self.model.compute_logits(hidden[rows])
@@ -206,10 +211,11 @@ class ModelRunner:
             best = min(best, time.perf_counter() - start)
         return best
 
-    def _forward(self, sched: SchedulerOutput,
-                 prev: StepHandle | None = None) -> tuple[torch.Tensor, list[int]]:
+    def _forward(self, sched: SchedulerOutput, prev: StepHandle | None = None
+                 ) -> tuple[torch.Tensor, list[int], torch.Tensor | None]:
         """Hidden states [T, hidden] of every scheduled token; ends [B]: row of each
-        request's last token."""
+        request's last token; float32 logits of every row when a CUDA graph computed them
+        (a decode step replayed), else None."""
         items = sched.scheduled
         query_lens = [s.num_tokens for s in items]
         seq_lens = [s.start_pos + s.num_tokens for s in items]
@@ -222,8 +228,9 @@ class ModelRunner:
             raise ValueError("a step with pending input tokens needs the step before's handle")
         fill = (pending, prev.token_ids) if pending else None
         if self.graphs is not None and self.graphs.fits(query_lens, seq_lens, tables.shape[2]):
-            hidden = self.graphs.run(input_ids, positions, slots, tables, seq_lens, fill)
-            return hidden, list(range(len(items)))
+            hidden, logits = self.graphs.run(input_ids, positions, slots, tables, seq_lens,
+                                             fill)
+            return hidden, list(range(len(items))), logits
         dev = self.device
         input_ids, positions, tables, slots = (input_ids.to(dev), positions.to(dev),
                                                tables.to(dev), slots.to(dev))
@@ -239,7 +246,7 @@ class ModelRunner:
                                self.kv_caches)
         layout = layouts[0]
         hidden = self.model(input_ids, layout.positions, ctx)
-        return hidden, [end - 1 for end in itertools.accumulate(query_lens)]
+        return hidden, [end - 1 for end in itertools.accumulate(query_lens)], None
 
     @staticmethod
     def _constrained_rows(sampling: list[tuple[int, ScheduledRequest]]) -> torch.Tensor:
