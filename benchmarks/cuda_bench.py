@@ -193,27 +193,31 @@ def replay_ms(core: EngineCore, device: str, repeats: int = 100) -> float | None
     return (time.perf_counter() - start) / repeats * 1e3
 
 
-def profile_decode(core: EngineCore, prompt: list[int], device: str, path: Path) -> None:
-    """cProfile of 200 single-stream decode steps, by own time (where the host's share of
-    a step goes)."""
+def profile_decode(core: EngineCore, prompts: list[list[int]], path: Path,
+                   steps: int = 200) -> None:
+    """cProfile of ``steps`` decode steps of ``prompts`` decoding together, by own time
+    (where the host's share of a step goes); appended to ``path``."""
     import cProfile
     import io
     import pstats
 
-    core.add_request("profile", prompt, SamplingParams(temperature=0, max_tokens=230,
-                                                       ignore_eos=True))
+    params = SamplingParams(temperature=0, max_tokens=steps + 30, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        core.add_request(f"profile-{len(prompts)}-{i}", p, params)
     for _ in range(20):
         core.step()
     prof = cProfile.Profile()
     prof.enable()
-    for _ in range(200):
+    for _ in range(steps):
         core.step()
     prof.disable()
     while core.has_unfinished():
         core.step()
     out = io.StringIO()
+    out.write(f"{len(prompts)} sequences, {steps} decode steps\n")
     pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(30)
-    path.write_text(out.getvalue())
+    with path.open("a") as f:
+        f.write(out.getvalue())
 
 
 def linear_table(device: str) -> list[dict]:
@@ -300,8 +304,11 @@ def bench_model(name: str, path: Path, params: int, device: str, bw: float, quic
             continue
         res["step_ms"] = 1e3 / single["decode_tok_s"]
         res["gpu_step_ms"] = replay_ms(core, device)
-        if profile_dir is not None:
-            profile_decode(core, prompt, device, profile_dir / f"profile-{name}.txt")
+        if profile_dir is not None:  # one stream, then as many as the largest batch
+            path_ = profile_dir / f"profile-{name}.txt"
+            path_.write_text("")
+            profile_decode(core, [prompt], path_)
+            profile_decode(core, [prompt] * batches[-1], path_, steps=50)
         weight_bytes = core.loaded.weight_bytes
         kv_per_token = core.kv_spec.bytes_per_token
         mean_ctx = 128 + decode_len / 2
@@ -341,6 +348,7 @@ def main() -> None:
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/cuda_bench"))
     ap.add_argument("--models", default="smollm2-135m-shape,llama-1b-shape")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--no-linear", action="store_true", help="skip the linear-kernel table")
     ap.add_argument("--profile", action="store_true",
                     help="cProfile single-stream decode (profile-MODEL.txt beside --out)")
     args = ap.parse_args()
@@ -354,7 +362,7 @@ def main() -> None:
     bw = bandwidth(device)
     info["bandwidth_GBps"] = bw / 1e9
     print(json.dumps(info), flush=True)
-    if device.startswith("cuda"):
+    if device.startswith("cuda") and not args.no_linear:
         info["linear_us"] = linear_table(device)
         for r in info["linear_us"]:
             parts = (f", parts in parallel {r['triton_parts']:.1f} us" if "triton_parts" in r

@@ -40,5 +40,5 @@ fi
 if [ -n "${PROFILE:-}" ]; then  # where a decode step's GPU time goes, and variants of it
   timeout "${PROFILE_TIMEOUT:-120}" python3 benchmarks/cuda_profile.py --tokenizer .gpu/tokenizer \
       --variants "$PROFILE" --out "$OUT/profile.json" 2>&1 | grep -v " INFO " \
-      | tee "$OUT/profile.log" | head -24
+      | tee "$OUT/profile.log" | sed -n 1,40p  # (head would stop the run with SIGPIPE)
 fi

@@ -50,8 +50,12 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.windows = [g.window for g in groups] if groups else [None]
+        self._no_windows = all(w is None for w in self.windows)
         self.pool = BlockPool(num_blocks, enable_caching)
         self._req_blocks: dict[str, BlockTables] = {}
+        # The same tables as block ids (0 where released), kept beside them: every decode
+        # step hands each running request's out (``get_block_ids``).
+        self._req_block_ids: dict[str, list[list[int]]] = {}
         self._req_num_hashed: dict[str, int] = {}
         # Prefix-cache statistics in tokens, as vLLM counts them.
         self.prefix_queries = 0
@@ -74,10 +78,10 @@ class KVCacheManager:
 
     def get_block_ids(self, request_id: str) -> list[list[int]]:
         """The request's block table in each group (0 where a window released a block)."""
-        tables = self._req_blocks.get(request_id)
-        if tables is None:
+        ids = self._req_block_ids.get(request_id)
+        if ids is None:
             return [[] for _ in self.windows]
-        return [[0 if b is None else b.block_id for b in blocks] for blocks in tables]
+        return [list(group) for group in ids]
 
     def num_held_blocks(self, request_id: str) -> int:
         """Blocks the request holds now, over all groups."""
@@ -142,8 +146,18 @@ class KVCacheManager:
         """
         rid = request.request_id
         bs = self.block_size
+        tables = self._req_blocks.get(rid)
+        hit_any = new_computed_blocks is not None and any(new_computed_blocks)
+        if tables and self._no_windows and not hit_any:
+            # Growing within the blocks it holds (a decode, 15 steps of 16): nothing to
+            # release without a window, nothing to take; what follows would change nothing.
+            total = request.num_computed_tokens + num_new_tokens
+            if all(len(blocks) * bs >= total for blocks in tables):
+                if self.enable_caching:
+                    self._cache_full_blocks(request, tables, min(total, request.num_tokens))
+                return []
         hits = new_computed_blocks or [[] for _ in self.windows]
-        tables = self._req_blocks.get(rid) or [[] for _ in self.windows]
+        tables = tables or [[] for _ in self.windows]
         num_computed = request.num_computed_tokens + len(hits[0]) * bs
         total = num_computed + num_new_tokens
         end = -(-total // bs)
@@ -154,6 +168,8 @@ class KVCacheManager:
                      for blocks, hit, first in zip(tables, hits, firsts))
         reclaimed = sum(1 for hit in hits for b in hit if b is not None and b.ref_cnt == 0)
         if needed > self.pool.num_free_blocks - reclaimed:
+            if rid in self._req_block_ids:  # entries released above
+                self._sync_ids(rid, tables)
             return None
         self._req_blocks[rid] = tables
         # Every group's hits leave the free queue before any new block is taken from it.
@@ -166,6 +182,7 @@ class KVCacheManager:
             fresh = self.pool.get_new_blocks(max(0, end - len(blocks)))
             blocks.extend(fresh)
             new_blocks.extend(fresh)
+        self._sync_ids(rid, tables)
         if self.enable_caching:
             self._cache_full_blocks(request, tables, min(total, request.num_tokens))
         return new_blocks
@@ -173,6 +190,7 @@ class KVCacheManager:
     def free(self, request: CachedRequest) -> None:
         """Release every block of the request, last blocks first (evicted first)."""
         tables = self._req_blocks.pop(request.request_id, None)
+        self._req_block_ids.pop(request.request_id, None)
         self._req_num_hashed.pop(request.request_id, None)
         if tables:
             longest = max(len(blocks) for blocks in tables)
@@ -207,6 +225,10 @@ class KVCacheManager:
                     holders[b.block_id] += 1
                     place = places.setdefault(b.block_id, (g, i))
                     assert place == (g, i), f"{b} held as (group, index) {place} and {(g, i)}"
+        for rid, tables in self._req_blocks.items():
+            want = [[0 if b is None else b.block_id for b in blocks] for blocks in tables]
+            assert self._req_block_ids.get(rid) == want, f"{rid}: block ids out of step"
+        assert self._req_block_ids.keys() == self._req_blocks.keys(), "block ids of others"
         for block in self.pool.blocks:
             assert block.ref_cnt == holders[block.block_id], (
                 f"{block}: held by {holders[block.block_id]} tables")
@@ -223,6 +245,10 @@ class KVCacheManager:
             blocks[i] = None
         if out:
             self.pool.free_blocks(out)
+
+    def _sync_ids(self, rid: str, tables: BlockTables) -> None:
+        self._req_block_ids[rid] = [[0 if b is None else b.block_id for b in blocks]
+                                    for blocks in tables]
 
     def _resumable(self, cached: list[KVBlock | None], n: int, window: int | None) -> bool:
         """Whether a query at block ``n``'s first token finds every key it sees cached."""
