@@ -23,6 +23,8 @@ The tokenizer comes from ``--tokenizer`` (a saved directory) or the embedded GGU
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import json
 import random
 import sys
@@ -106,6 +108,20 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+@contextlib.contextmanager
+def heap_frozen():
+    """The garbage collector as in the server's engine process, which freezes what start-up
+    left (``llmserve/gc_freeze.py``): else its full collections walk every object of this
+    process (torch, transformers, earlier engines) in the timed steps, ~3 ms a step at 256
+    sequences on a GPU machine's host. Thawed after, so that engines freed later are."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 def run_batch(core: EngineCore, prompts: list[list[int]], max_tokens: int, device: str,
               tag: str) -> dict:
     """All prompts at once; times the steps after every request has its first token."""
@@ -114,21 +130,22 @@ def run_batch(core: EngineCore, prompts: list[list[int]], max_tokens: int, devic
         core.add_request(f"{tag}-{i}", p, params)
     tokens: dict[str, list[int]] = {}
     decode_tokens, decode_start, first_step = 0, None, None
-    sync(device)
-    start = time.perf_counter()
-    while core.has_unfinished():
-        outs = core.step()
-        now = time.perf_counter()
-        if first_step is None:
-            first_step = now - start
-        for o in outs:
-            tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
-        if decode_start is None:
-            if len(tokens) == len(prompts):
-                decode_start = now
-        else:
-            decode_tokens += sum(len(o.new_token_ids) for o in outs)
-    end = time.perf_counter()
+    with heap_frozen():
+        sync(device)
+        start = time.perf_counter()
+        while core.has_unfinished():
+            outs = core.step()
+            now = time.perf_counter()
+            if first_step is None:
+                first_step = now - start
+            for o in outs:
+                tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+            if decode_start is None:
+                if len(tokens) == len(prompts):
+                    decode_start = now
+            else:
+                decode_tokens += sum(len(o.new_token_ids) for o in outs)
+        end = time.perf_counter()
     decode_s = end - decode_start if decode_start else float("nan")
     return {"tokens": [tokens[f"{tag}-{i}"] for i in range(len(prompts))],
             "decode_tokens": decode_tokens, "decode_seconds": decode_s,
@@ -207,10 +224,11 @@ def profile_decode(core: EngineCore, prompts: list[list[int]], path: Path,
     for _ in range(20):
         core.step()
     prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(steps):
-        core.step()
-    prof.disable()
+    with heap_frozen():
+        prof.enable()
+        for _ in range(steps):
+            core.step()
+        prof.disable()
     while core.has_unfinished():
         core.step()
     out = io.StringIO()

@@ -152,7 +152,7 @@ class KVCacheManager:
             # Growing within the blocks it holds (a decode, 15 steps of 16): nothing to
             # release without a window, nothing to take; what follows would change nothing.
             total = request.num_computed_tokens + num_new_tokens
-            if all(len(blocks) * bs >= total for blocks in tables):
+            if min(map(len, tables)) * bs >= total:
                 if self.enable_caching:
                     self._cache_full_blocks(request, tables, min(total, request.num_tokens))
                 return []

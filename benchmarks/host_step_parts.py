@@ -1,0 +1,73 @@
+"""The host's share of a decode step at many sequences, by part: scheduling, the runner's
+input preparation, the model, the output head, the sampler and the scheduler's update.
+
+A tiny random Llama (hidden 64, 2 layers, the 49152-token head) on CPU, ``--batch``
+sequences of 64-token prompts decoding together, so that the per-request Python work (the
+part a GPU's host must finish within the GPU's step) stands out. The garbage collector is
+frozen after start-up, as in the server's engine process. Run it in two trees, alternating,
+to compare them (``PYTHONPATH=<tree>/src``; ``--root`` for the tree's benchmarks):
+
+    python benchmarks/host_step_parts.py --batch 256 --steps 100
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+import sys
+import time
+from pathlib import Path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--root", type=Path, default=Path(__file__).resolve().parents[1],
+                    help="the tree whose benchmarks/cuda_bench.py builds the engine")
+    args = ap.parse_args()
+    sys.path[:0] = [str(args.root / "benchmarks"), str(args.root)]
+    import cuda_bench as cb
+
+    from llmserve.sampling_params import SamplingParams
+
+    path, _ = cb.build_model_dir(Path("/tmp/host_step_parts/tiny"), cb.TINY, None)
+    core = cb.engine(path, "cpu", False, max_num_seqs=max(256, args.batch))
+    rng = random.Random(0)
+    params = SamplingParams(temperature=0, max_tokens=args.steps + 20, ignore_eos=True)
+    for i in range(args.batch):
+        core.add_request(f"r{i}", [rng.randrange(17, cb.VOCAB) for _ in range(64)], params)
+    for _ in range(10):
+        core.step()
+    gc.collect()
+    gc.freeze()
+    times: dict[str, float] = {}
+
+    def timed(obj, name: str, key: str) -> None:
+        inner = getattr(obj, name)
+
+        def wrapper(*a, **k):
+            start = time.perf_counter()
+            try:
+                return inner(*a, **k)
+            finally:
+                times[key] = times.get(key, 0.0) + time.perf_counter() - start
+        setattr(obj, name, wrapper)
+
+    sched, runner = core.scheduler, core.runner
+    for obj, name, key in ((sched, "schedule", "schedule"), (sched, "update", "update"),
+                           (runner, "_prepare", "prepare"), (runner.model, "forward", "model"),
+                           (runner.model, "compute_logits", "head"),
+                           (runner.sampler, "launch", "sampler")):
+        timed(obj, name, key)
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        core.step()
+    total = time.perf_counter() - start
+    parts = ", ".join(f"{k} {v / args.steps * 1e3:.2f}" for k, v in times.items())
+    print(f"B={args.batch}: {total / args.steps * 1e3:.2f} ms/step; {parts}")
+
+
+if __name__ == "__main__":
+    main()
