@@ -190,6 +190,38 @@ def test_random_workload_keeps_every_hit_exact_and_the_pool_consistent():
     assert kv.num_free_blocks == kv.num_blocks
 
 
+def test_decodes_within_their_blocks_take_nothing_and_hand_out_the_same_ids():
+    """Without windows, a request that grows within the blocks it holds gets no block (the
+    fast path); at a block's end it gets one, or None when the pool is dry. The block ids
+    handed out each step are the tables' own, and a caller's copy is its own."""
+    kv = KVCacheManager(6, BS)
+    reqs = [Req(name, list(range(40))) for name in "ab"]
+    for req in reqs:
+        assert len(kv.allocate_slots(req, 5)) == 2  # 5 tokens: blocks of 4
+        req.num_computed_tokens = 5
+    got = []
+    for _ in range(8):
+        for req in reqs:
+            new = kv.allocate_slots(req, 1)
+            got.append(None if new is None else len(new))
+            if new is not None:
+                req.num_computed_tokens += 1
+            kv.check_integrity()
+    # Tokens 6..8 fit the second block; the 9th takes a third each (6 blocks in all);
+    # 10..12 fit it; the 13th finds the pool dry and changes nothing.
+    assert got == [0, 0, 0, 0, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0, None, None]
+    again = [kv.allocate_slots(req, 1) for req in reqs]
+    assert again == [None, None] and kv.num_free_blocks == 0
+    kv.check_integrity()
+    ids = kv.get_block_ids("a")
+    ids[0].append(99)
+    assert kv.get_block_ids("a") == [[b.block_id for b in kv._req_blocks["a"][0]]]
+    for req in reqs:
+        kv.free(req)
+    kv.check_integrity()
+    assert kv.num_free_blocks == 6 and kv.get_block_ids("a") == [[]]
+
+
 def _record(kv: KVCacheManager, req: Req, holds: dict, end: int) -> None:
     """The step computes tokens up to ``end``: their blocks now hold them (a block written
     this step holds its tokens once full; partial ones hold nothing checkable)."""
