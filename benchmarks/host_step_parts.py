@@ -4,8 +4,11 @@ input preparation, the model, the output head, the sampler and the scheduler's u
 A tiny random Llama (hidden 64, 2 layers, the 49152-token head) on CPU, ``--batch``
 sequences of 64-token prompts decoding together, so that the per-request Python work (the
 part a GPU's host must finish within the GPU's step) stands out. The garbage collector is
-frozen after start-up, as in the server's engine process. Run it in two trees, alternating,
-to compare them (``PYTHONPATH=<tree>/src``; ``--root`` for the tree's benchmarks):
+frozen after start-up, as in the server's engine process (``--no-freeze``: not).
+``--async-scheduling`` plans each step while the one before runs, as on a GPU (here the
+CPU runs the step before the planning returns, so only the parts are comparable). Run it
+in two trees, alternating, to compare them (``PYTHONPATH=<tree>/src``; ``--root`` for the
+tree's benchmarks):
 
     python benchmarks/host_step_parts.py --batch 256 --steps 100
 """
@@ -24,6 +27,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--async-scheduling", action="store_true")
+    ap.add_argument("--no-freeze", action="store_true", help="leave the collector as is")
     ap.add_argument("--root", type=Path, default=Path(__file__).resolve().parents[1],
                     help="the tree whose benchmarks/cuda_bench.py builds the engine")
     args = ap.parse_args()
@@ -33,15 +38,17 @@ def main() -> None:
     from llmserve.sampling_params import SamplingParams
 
     path, _ = cb.build_model_dir(Path("/tmp/host_step_parts/tiny"), cb.TINY, None)
-    core = cb.engine(path, "cpu", False, max_num_seqs=max(256, args.batch))
+    core = cb.engine(path, "cpu", False, max_num_seqs=max(256, args.batch),
+                     async_scheduling=args.async_scheduling or None)
     rng = random.Random(0)
     params = SamplingParams(temperature=0, max_tokens=args.steps + 20, ignore_eos=True)
     for i in range(args.batch):
         core.add_request(f"r{i}", [rng.randrange(17, cb.VOCAB) for _ in range(64)], params)
     for _ in range(10):
         core.step()
-    gc.collect()
-    gc.freeze()
+    if not args.no_freeze:
+        gc.collect()
+        gc.freeze()
     times: dict[str, float] = {}
 
     def timed(obj, name: str, key: str) -> None:
@@ -56,7 +63,8 @@ def main() -> None:
         setattr(obj, name, wrapper)
 
     sched, runner = core.scheduler, core.runner
-    for obj, name, key in ((sched, "schedule", "schedule"), (sched, "update", "update"),
+    for obj, name, key in ((sched, "schedule", "schedule"),
+                           (sched, "schedule_next", "schedule_next"), (sched, "update", "update"),
                            (runner, "_prepare", "prepare"), (runner.model, "forward", "model"),
                            (runner.model, "compute_logits", "head"),
                            (runner.sampler, "launch", "sampler")):

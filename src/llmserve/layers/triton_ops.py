@@ -63,8 +63,8 @@ _MIN_COUNTERS = 1 << 16  # 256 KiB: every decode and a prefill of 8192 rows x 12
 PDL = envs.LLMSERVE_PDL  # read at call time, like SPLITK_REDUCE
 # A split linear of at least this many output tiles (four waves of a decode's programs)
 # sums its parts in one program per tile (``in_order``); read at call time, so that tests
-# and benchmarks can switch it. Not yet measured on a GPU: a guess that keeps it to large
-# prefills, whose partials cost several times the product.
+# and benchmarks can switch it. On an H200, 4096 rows: 1.3-2.0x faster than the parts in
+# programs of their own (BENCHMARKS.md, session 38); 1024 rows (below it) not yet tried.
 IN_ORDER_TILES = 4 * TILES_PER_SM * _SMS
 
 
