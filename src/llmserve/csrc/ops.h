@@ -3,6 +3,8 @@
 
 #include <ATen/ATen.h>
 
+#include "parallel.h"
+
 #include <memory>
 #include <string>
 #include <utility>
