@@ -40,9 +40,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("isa") = "baseline";
 #endif
   m.def("argmax_rows", &argmax_rows, "torch.argmax(x, dim=1) for float32 rows, faster");
-  m.def("set_thread_pool", &set_thread_pool,
-        "run the kernels' parallel loops on llmserve's spinning pool (true) or OpenMP's");
-  m.def("thread_pool_enabled", &thread_pool_enabled);
   m.def("rotary_embedding_", &rotary_embedding_, "rotate-half rotary embedding, in place");
 
   // Fused decoder layers (decoder_layer.cpp, built by models/fused.py).

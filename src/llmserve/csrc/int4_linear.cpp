@@ -153,7 +153,7 @@ void run_int4(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& s
   float* scaled_sums = scales + m * act_groups;
   const float* xp = x.data_ptr<float>();
   const int64_t x_stride = x.stride(0);
-  parallel_for(0, m, 8, [&](int64_t b, int64_t e) {
+  at::parallel_for(0, m, 8, [&](int64_t b, int64_t e) {
     // Locals, not the captured references: the stores of codes may alias anything, and
     // every group reloaded the captures behind them.
     const float* x_rows = xp;
@@ -188,7 +188,7 @@ void run_int4(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& s
   const auto* szp = reinterpret_cast<const uint16_t*>(scale_zero.data_ptr<at::Half>());
   float* yp = y.data_ptr<float>();
   const int parts = halves ? 2 : 1;  // items a panel is split into, across its channels
-  parallel_for(0, panels * tiles * parts, 1, [&](int64_t b, int64_t e) {
+  at::parallel_for(0, panels * tiles * parts, 1, [&](int64_t b, int64_t e) {
     for (int64_t part_item = b; part_item < e; ++part_item) {
       const int64_t item = part_item / parts;
       const int half = halves ? static_cast<int>(part_item % parts) : kWholePanel;

@@ -3,8 +3,6 @@
 
 #include <ATen/ATen.h>
 
-#include "parallel.h"
-
 #include <memory>
 #include <string>
 #include <utility>
