@@ -23,8 +23,6 @@ The tokenizer comes from ``--tokenizer`` (a saved directory) or the embedded GGU
 from __future__ import annotations
 
 import argparse
-import contextlib
-import gc
 import json
 import random
 import sys
@@ -38,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.helpers
 from llmserve import envs
 from llmserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from llmserve.engine.core import EngineCore
+from llmserve.gc_freeze import startup_objects_frozen
 from llmserve.layers import triton_ops
 from llmserve.sampling_params import SamplingParams
 
@@ -108,20 +107,6 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-@contextlib.contextmanager
-def heap_frozen():
-    """The garbage collector as in the server's engine process, which freezes what start-up
-    left (``llmserve/gc_freeze.py``): else its full collections walk every object of this
-    process (torch, transformers, earlier engines) in the timed steps, ~3 ms a step at 256
-    sequences on a GPU machine's host. Thawed after, so that engines freed later are."""
-    gc.collect()
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
-
-
 def run_batch(core: EngineCore, prompts: list[list[int]], max_tokens: int, device: str,
               tag: str) -> dict:
     """All prompts at once; times the steps after every request has its first token."""
@@ -130,7 +115,9 @@ def run_batch(core: EngineCore, prompts: list[list[int]], max_tokens: int, devic
         core.add_request(f"{tag}-{i}", p, params)
     tokens: dict[str, list[int]] = {}
     decode_tokens, decode_start, first_step = 0, None, None
-    with heap_frozen():
+    # The collector as in the server's engine process: else its collections walk this
+    # process's every object in the timed steps (seen as ~3 ms a step at 256 sequences).
+    with startup_objects_frozen("cuda_bench"):
         sync(device)
         start = time.perf_counter()
         while core.has_unfinished():
@@ -224,7 +211,7 @@ def profile_decode(core: EngineCore, prompts: list[list[int]], path: Path,
     for _ in range(20):
         core.step()
     prof = cProfile.Profile()
-    with heap_frozen():
+    with startup_objects_frozen("cuda_bench"):
         prof.enable()
         for _ in range(steps):
             core.step()
@@ -368,7 +355,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--no-linear", action="store_true", help="skip the linear-kernel table")
     ap.add_argument("--profile", action="store_true",
-                    help="cProfile single-stream decode (profile-MODEL.txt beside --out)")
+                    help="cProfile decode at one stream and at the largest batch "
+                         "(profile-MODEL.txt beside --out)")
     args = ap.parse_args()
     device = args.device
     info = {"device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",

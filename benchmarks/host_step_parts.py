@@ -16,7 +16,6 @@ tree's benchmarks):
 from __future__ import annotations
 
 import argparse
-import gc
 import random
 import sys
 import time
@@ -35,6 +34,7 @@ def main() -> None:
     sys.path[:0] = [str(args.root / "benchmarks"), str(args.root)]
     import cuda_bench as cb
 
+    from llmserve.gc_freeze import freeze_startup_objects
     from llmserve.sampling_params import SamplingParams
 
     path, _ = cb.build_model_dir(Path("/tmp/host_step_parts/tiny"), cb.TINY, None)
@@ -47,8 +47,7 @@ def main() -> None:
     for _ in range(10):
         core.step()
     if not args.no_freeze:
-        gc.collect()
-        gc.freeze()
+        freeze_startup_objects("host_step_parts")
     times: dict[str, float] = {}
 
     def timed(obj, name: str, key: str) -> None:

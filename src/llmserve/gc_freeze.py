@@ -13,8 +13,10 @@ start-up keeps for good should be alive when this runs.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import time
+from collections.abc import Iterator
 
 from llmserve.logger import get_logger
 
@@ -28,3 +30,15 @@ def freeze_startup_objects(where: str) -> None:
     gc.freeze()
     logger.debug("%s: %d objects frozen after start-up (%.0f ms)", where,
                  gc.get_freeze_count(), 1000 * (time.perf_counter() - start))
+
+
+@contextlib.contextmanager
+def startup_objects_frozen(where: str) -> Iterator[None]:
+    """``freeze_startup_objects`` for a while: benchmarks that build and drop engines in one
+    process time their steps as the engine process runs them, then thaw, so that the
+    engines they free later are collected."""
+    freeze_startup_objects(where)
+    try:
+        yield
+    finally:
+        gc.unfreeze()
