@@ -2,7 +2,8 @@
 
 On the 1.07B Llama shape of ``cuda_bench.py`` (random bfloat16 weights):
 
-1. for each variant (programmatic dependent launch off, the output head outside the decode
+1. for each variant (programmatic dependent launch off, no weight prefetch before the
+   wait or more of it, the output head outside the decode
    graphs, split linears' parts always in programs of their own, other split-K tilings,
    the attention kernel's keys per tile, segment, warps and pipeline stages; each still
    batch-invariant): the GPU time of one decode step at batch 1 and 64 (back-to-back
@@ -12,11 +13,14 @@ On the 1.07B Llama shape of ``cuda_bench.py`` (random bfloat16 weights):
    kernel, summed over the step.
 
     python benchmarks/cuda_profile.py --tokenizer .gpu/tokenizer --out out/profile.json
+
+``--rounds N`` measures the variants N times over, alternating (the host is shared).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import random
 import sys
@@ -35,9 +39,13 @@ from llmserve.runner import cuda_graphs
 from llmserve.sampling_params import SamplingParams
 
 _IN_ORDER_TILES = triton_ops.IN_ORDER_TILES
+_PREFETCH_LINES = triton_ops.PREFETCH_LINES
 VARIANTS = {
     "default": {},
     "no-pdl": {"pdl": False},
+    "no-prefetch": {"prefetch_lines": 0},  # a linear waits before it touches its weight
+    "prefetch-16": {"prefetch_lines": 16},
+    "prefetch-32": {"prefetch_lines": 32},
     "parts-parallel": {"in_order_tiles": 1 << 62},  # a split weight's parts never in order
     "head-eager": {"graph_logits": False},  # the output head after the replay, eagerly
     "splitk-1": {"tiles_per_sm": 1},  # fewer, longer parts (different sums)
@@ -45,6 +53,7 @@ VARIANTS = {
     "split-bn32": {"split_block_n": 32},  # narrower tiles, fewer parts
     "attn-seg256": {"attn_segment": 256},
     "attn-seg128": {"attn_segment": 128},
+    "attn-seg64": {"attn_segment": 64},
     "attn-stages2": {"attn_stages": 2},
     "attn-stages4": {"attn_stages": 4},
     "attn-bn32": {"attn_block_n": 32},
@@ -57,10 +66,12 @@ VARIANTS = {
 
 
 def apply_variant(v: dict) -> None:
-    """Module knobs read at call or capture time: programmatic dependent launch, the head in
+    """Module knobs read at call or capture time: programmatic dependent launch, the weight
+    lines a linear prefetches before it waits, the head in
     the graphs, when a split linear sums its parts in one program per tile, the split-K
     tiling, the attention's keys per tile and segment, warps and stages per program."""
     triton_ops.PDL = v.get("pdl", envs.LLMSERVE_PDL)
+    triton_ops.PREFETCH_LINES = v.get("prefetch_lines", _PREFETCH_LINES)
     triton_ops.IN_ORDER_TILES = v.get("in_order_tiles", _IN_ORDER_TILES)
     triton_ops.TILES_PER_SM = v.get("tiles_per_sm", 2)
     triton_ops.SPLIT_BLOCK_N = v.get("split_block_n", 64)
@@ -90,6 +101,8 @@ def main() -> None:
     ap.add_argument("--no-kernels", action="store_true", help="skip the kernel table")
     ap.add_argument("--variants", default=",".join(VARIANTS),
                     help=f"comma-separated, of {', '.join(VARIANTS)}")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="measure the variants this many times over, alternating")
     args = ap.parse_args()
     chosen = args.variants.split(",")
     if unknown := set(chosen) - set(VARIANTS):
@@ -97,8 +110,8 @@ def main() -> None:
     path, _ = cb.build_model_dir(Path("/tmp/cuda_profile/llama-1b"), cb.LLAMA_1B, args.tokenizer)
     rng = random.Random(0)
     prompt = [rng.randrange(17, cb.VOCAB) for _ in range(128)]
-    results: dict = {"variants": {}}
-    for name in chosen:
+    results: dict = {"variants": {name: [] for name in chosen}}
+    for round_, name in itertools.product(range(args.rounds), chosen):
         apply_variant(VARIANTS[name])
         core = cb.engine(path, "cuda", False, max_num_seqs=64)
         cb.run_batch(core, [prompt], 8, "cuda", "warm")
@@ -106,9 +119,9 @@ def main() -> None:
         row = {"replay_ms_b1": replay_ms(core, 1), "replay_ms_b64": replay_ms(core, 64),
                "single_tok_s": single["decode_tok_s"],
                "prefill_4096_tok_s": cb.prefill_speed(core, 4096, "cuda")}
-        results["variants"][name] = row
+        results["variants"][name].append(row)
         print(name, json.dumps(row), flush=True)
-        if name == "default" and not args.no_kernels:
+        if name == "default" and round_ == 0 and not args.no_kernels:
             results["kernels"] = kernel_table(core, prompt)
         del core
         torch.cuda.empty_cache()

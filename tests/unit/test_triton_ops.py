@@ -278,3 +278,44 @@ def test_programmatic_dependent_launch_gives_the_same_bits(monkeypatch):
         for got, want in zip(captured, reference):
             assert torch.equal(got, want)
 
+
+
+_COMPILE_FOR_HOPPER = """
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from llmserve.layers import triton_ops as t
+types = dict(a_ptr="*bf16", w_ptr="*bf16", c_ptr="*bf16", part_ptr="*fp32", count_ptr="*i32",
+             M="i32", N="i32", K="i32", k_per_split="i32", stride_am="i32", stride_wn="i32",
+             stride_cm="i32")
+found = {}
+for lines in (t.PREFETCH_LINES, 0):
+    const = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, SPLITS=6, IN_ORDER=False, FUSED=True,
+                 UPCAST=False, PDL=True, PREFETCH=lines)
+    src = triton.compiler.ASTSource(t._linear_kernel, {**types, **dict.fromkeys(const,
+                                    "constexpr")}, constexprs=const)
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                         options=dict(num_warps=4, num_stages=3)).asm["ptx"]
+    found[lines] = [ptx.count("prefetch.global.L2"), ptx.find("prefetch.global.L2"),
+                    ptx.find("griddepcontrol.wait")]
+json.dump(found, sys.stdout)
+"""
+
+
+def test_linear_prefetches_its_weight_before_it_waits():
+    """Compiled for Hopper (no GPU needed; the interpreter runs no inline PTX): under PDL the
+    linear asks L2 for its weight's first lines before ``griddepcontrol.wait``; with no
+    lines asked for, it issues no prefetch."""
+    import json
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _COMPILE_FOR_HOPPER], env=env, text=True,
+                          capture_output=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    found = json.loads(done.stdout)
+    count, first, wait = found[str(triton_ops.PREFETCH_LINES)]
+    assert triton_ops.PREFETCH_LINES > 0 and count > 0
+    assert 0 <= first < wait
+    assert found["0"][0] == 0 and found["0"][2] >= 0
