@@ -46,6 +46,8 @@ VARIANTS = {
     "no-prefetch": {"prefetch_lines": 0},  # a linear waits before it touches its weight
     "prefetch-16": {"prefetch_lines": 16},
     "prefetch-32": {"prefetch_lines": 32},
+    "linear-w8": {"linear_warps": 8},  # the linear's warps and pipeline stages
+    "linear-stages4": {"linear_stages": 4},
     "parts-parallel": {"in_order_tiles": 1 << 62},  # a split weight's parts never in order
     "head-eager": {"graph_logits": False},  # the output head after the replay, eagerly
     "splitk-1": {"tiles_per_sm": 1},  # fewer, longer parts (different sums)
@@ -67,7 +69,7 @@ VARIANTS = {
 
 def apply_variant(v: dict) -> None:
     """Module knobs read at call or capture time: programmatic dependent launch, the weight
-    lines a linear prefetches before it waits, the head in
+    lines a linear prefetches before it waits, its warps and stages, the head in
     the graphs, when a split linear sums its parts in one program per tile, the split-K
     tiling, the attention's keys per tile and segment, warps and stages per program."""
     triton_ops.PDL = v.get("pdl", envs.LLMSERVE_PDL)
@@ -75,6 +77,8 @@ def apply_variant(v: dict) -> None:
     triton_ops.IN_ORDER_TILES = v.get("in_order_tiles", _IN_ORDER_TILES)
     triton_ops.TILES_PER_SM = v.get("tiles_per_sm", 2)
     triton_ops.SPLIT_BLOCK_N = v.get("split_block_n", 64)
+    triton_ops._LINEAR_WARPS = v.get("linear_warps", 4)
+    triton_ops._LINEAR_STAGES = v.get("linear_stages", 3)
     triton_ops.linear_config.cache_clear()
     cuda_graphs.LOGITS = v.get("graph_logits", True)
     triton_paged.BLOCK_N = v.get("attn_block_n", 64)
