@@ -3,7 +3,8 @@
 # benchmarks/cuda_bench.py, then the HTTP server on the GPU (benchmarks/cuda_server_smoke.py;
 # SKIP_TESTS=1, SKIP_BENCH=1 and SERVER=0 skip each; TEST_FILES replaces the test files),
 # then, with PROFILE=variant,...,
-# benchmarks/cuda_profile.py's kernel table and those variants (PROFILE_TIMEOUT, default 120). Expects .gpu/whl (wheels of what the machine's image lacks for the
+# benchmarks/cuda_profile.py's kernel table and those variants (PROFILE_TIMEOUT, default 120;
+# PROFILE_ARGS, e.g. "--rounds 2"). Expects .gpu/whl (wheels of what the machine's image lacks for the
 # engine and the server) and .gpu/tokenizer (SmolLM2's tokenizer, saved), carried along
 # (benchmarks/cuda_payload.sh makes them). Writes logs and results to $OUT (default:
 # ./cuda-out).
@@ -39,6 +40,6 @@ if [ "${SERVER:-1}" != 0 ]; then  # the HTTP server on the GPU (needs the server
 fi
 if [ -n "${PROFILE:-}" ]; then  # where a decode step's GPU time goes, and variants of it
   timeout "${PROFILE_TIMEOUT:-120}" python3 benchmarks/cuda_profile.py --tokenizer .gpu/tokenizer \
-      --variants "$PROFILE" --out "$OUT/profile.json" 2>&1 | grep -v " INFO " \
+      --variants "$PROFILE" --out "$OUT/profile.json" ${PROFILE_ARGS:-} 2>&1 | grep -v " INFO " \
       | tee "$OUT/profile.log" | sed -n 1,40p  # (head would stop the run with SIGPIPE)
 fi
