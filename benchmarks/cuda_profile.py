@@ -2,13 +2,12 @@
 
 On the 1.07B Llama shape of ``cuda_bench.py`` (random bfloat16 weights):
 
-1. for each variant (programmatic dependent launch off, no weight prefetch before the
-   wait or more of it, the output head outside the decode
-   graphs, split linears' parts always in programs of their own, other split-K tilings,
-   the attention kernel's keys per tile, segment, warps and pipeline stages; each still
-   batch-invariant): the GPU time of one decode step at batch 1 and 64 (back-to-back
-   replays of its CUDA graph), single-stream decode tokens/s through the engine and the
-   prefill of 4096 tokens;
+1. for each variant (programmatic dependent launch off, the linear's warps and stages,
+   the output head outside the decode graphs, split linears' parts always in programs of
+   their own, other split-K tilings, the attention kernel's keys per tile, segment, warps
+   and pipeline stages; each still batch-invariant): the GPU time of one decode step at
+   batch 1 and 64 (back-to-back replays of its CUDA graph), single-stream decode tokens/s
+   through the engine and the prefill of 4096 tokens;
 2. ``torch.profiler`` over a few eager decode steps of the default variant: device time by
    kernel, summed over the step.
 
@@ -39,13 +38,9 @@ from llmserve.runner import cuda_graphs
 from llmserve.sampling_params import SamplingParams
 
 _IN_ORDER_TILES = triton_ops.IN_ORDER_TILES
-_PREFETCH_LINES = triton_ops.PREFETCH_LINES
 VARIANTS = {
     "default": {},
     "no-pdl": {"pdl": False},
-    "no-prefetch": {"prefetch_lines": 0},  # a linear waits before it touches its weight
-    "prefetch-16": {"prefetch_lines": 16},
-    "prefetch-32": {"prefetch_lines": 32},
     "linear-w8": {"linear_warps": 8},  # the linear's warps and pipeline stages
     "linear-stages4": {"linear_stages": 4},
     "parts-parallel": {"in_order_tiles": 1 << 62},  # a split weight's parts never in order
@@ -68,12 +63,11 @@ VARIANTS = {
 
 
 def apply_variant(v: dict) -> None:
-    """Module knobs read at call or capture time: programmatic dependent launch, the weight
-    lines a linear prefetches before it waits, its warps and stages, the head in
-    the graphs, when a split linear sums its parts in one program per tile, the split-K
-    tiling, the attention's keys per tile and segment, warps and stages per program."""
+    """Module knobs read at call or capture time: programmatic dependent launch, the linear's
+    warps and stages, the head in the graphs, when a split linear sums its parts in one
+    program per tile, the split-K tiling, the attention's keys per tile and segment, warps
+    and stages per program."""
     triton_ops.PDL = v.get("pdl", envs.LLMSERVE_PDL)
-    triton_ops.PREFETCH_LINES = v.get("prefetch_lines", _PREFETCH_LINES)
     triton_ops.IN_ORDER_TILES = v.get("in_order_tiles", _IN_ORDER_TILES)
     triton_ops.TILES_PER_SM = v.get("tiles_per_sm", 2)
     triton_ops.SPLIT_BLOCK_N = v.get("split_block_n", 64)

@@ -31,12 +31,6 @@ unchanged, and so are the bits.
 ``LLMSERVE_PDL=0`` launches them one after another as before (read at call time, through
 this module's ``PDL``).
 
-Under PDL a linear asks for the start of its weight before it waits (``_prefetch_weight``):
-the weight does not depend on the kernel before, so its first lines come from HBM into L2
-while that kernel (a norm, the SiLU, the attention) still runs, and the linear's own loads
-find them there. A decode's small linears spend much of their time on that first latency.
-Only a hint for the memory system: the same loads follow, and the same bits.
-
 Each function takes and returns tensors in the activations' dtype (bfloat16, float16 or
 float32) and computes in float32. They run on CUDA tensors, or on CPU tensors under
 Triton's interpreter (``TRITON_INTERPRET=1``), where the tests check them against
@@ -72,11 +66,6 @@ PDL = envs.LLMSERVE_PDL  # read at call time, like SPLITK_REDUCE
 # and benchmarks can switch it. On an H200, 4096 rows: 1.3-2.0x faster than the parts in
 # programs of their own (BENCHMARKS.md, session 38); 1024 rows (below it) not yet tried.
 IN_ORDER_TILES = 4 * TILES_PER_SM * _SMS
-# Under PDL, 128-byte lines of each weight row that a linear's program (of the first row
-# tile) prefetches into L2 before it waits for the kernel before: up to 64 x 8 lines = 64
-# KiB a program of a bfloat16 weight, ~17 MiB for two programs on each multiprocessor,
-# well within an H100's 50 MiB of L2. 0: none. Read at call time.
-PREFETCH_LINES = 8
 
 
 @functools.cache
@@ -103,18 +92,6 @@ def wait_for_inputs(PDL: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-
-
-@triton.jit
-def _prefetch_weight(w_ptr, rn, N, k_lo, k_hi, stride_wn, LINES: tl.constexpr):
-    """Ask L2 for the first ``LINES`` 128-byte lines of inputs [k_lo, k_hi) of weight rows
-    ``rn`` (clamped to the weight: a repeated line costs nothing). No data is read here."""
-    LINE: tl.constexpr = 1024 // w_ptr.dtype.element_ty.primitive_bitwidth  # elements
-    cols = tl.minimum(k_lo + tl.arange(0, LINES) * LINE, k_hi - 1)
-    rows = tl.minimum(rn, N - 1)
-    lines = w_ptr + rows[:, None] * stride_wn + cols[None, :]
-    tl.inline_asm_elementwise("mov.u32 $0, 0;\n\tprefetch.global.L2 [$1];", "=r,l", [lines],
-                              dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -146,7 +123,7 @@ def _linear_kernel(a_ptr, w_ptr, c_ptr, part_ptr, count_ptr, M, N, K, k_per_spli
                    stride_am, stride_wn, stride_cm, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr,
                    IN_ORDER: tl.constexpr, FUSED: tl.constexpr, UPCAST: tl.constexpr,
-                   PDL: tl.constexpr, PREFETCH: tl.constexpr):
+                   PDL: tl.constexpr):
     """C [M, N] = A [M, K] @ W [N, K]^T: float32 sums over K in tiles of BLOCK_K, in order.
     With SPLITS > 1 the inputs are cut into parts of ``k_per_split``, each summed from zero,
     and the parts' sums are added in order:
@@ -155,16 +132,10 @@ def _linear_kernel(a_ptr, w_ptr, c_ptr, part_ptr, count_ptr, M, N, K, k_per_spli
       the output tile does, as that kernel would: it counts the tile's finished parts in
       ``count_ptr[tile]`` (int32, 0 before the launch and left at 0 after it);
     - or, with IN_ORDER, by one program per tile, part after part: the same float32
-      operations in the same order (the same bits), without the partials.
-    PREFETCH (lines, or 0): the first row tile's programs prefetch the start of their
-    weight part before they wait (see the module docstring)."""
+      operations in the same order (the same bits), without the partials."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    if PREFETCH > 0 and pid_m == 0:
-        k_lo = tl.program_id(2) * k_per_split  # the part this program sums first
-        _prefetch_weight(w_ptr, rn, N, k_lo, tl.minimum(K, k_lo + k_per_split), stride_wn,
-                         PREFETCH)
     wait_for_inputs(PDL)
     ok = (rm[:, None] < M) & (rn[None, :] < N)
     out = c_ptr + rm[:, None] * stride_cm + rn[None, :]
@@ -295,8 +266,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     _linear_kernel[grid](
         x, weight, out, part, counters, m, n, k, k_per_split, x.stride(0), weight.stride(0),
         out.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLITS=splits, IN_ORDER=ordered,
-        FUSED=fused, UPCAST=INTERPRETED, PREFETCH=PREFETCH_LINES if pdl else 0,
-        num_warps=_LINEAR_WARPS, num_stages=_LINEAR_STAGES, **pdl_launch(pdl))
+        FUSED=fused, UPCAST=INTERPRETED, num_warps=_LINEAR_WARPS,
+        num_stages=_LINEAR_STAGES, **pdl_launch(pdl))
     if parallel and not fused:
         block = 1024
         _sum_splits_kernel[(triton.cdiv(m * n, block),)](
