@@ -41,7 +41,6 @@ _IN_ORDER_TILES = triton_ops.IN_ORDER_TILES
 VARIANTS = {
     "default": {},
     "no-pdl": {"pdl": False},
-    "ungated": {"gated_max_rows": 0},  # SiLU-and-mul as a kernel of its own at every size
     "linear-w8": {"linear_warps": 8},  # the linear's warps and pipeline stages
     "linear-stages4": {"linear_stages": 4},
     "parts-parallel": {"in_order_tiles": 1 << 62},  # a split weight's parts never in order
@@ -64,16 +63,14 @@ VARIANTS = {
 
 
 def apply_variant(v: dict) -> None:
-    """Module knobs read at call or capture time: programmatic dependent launch, the rows up to
-    which the down projection computes SiLU-and-mul itself, the linear's warps and stages, the
-    head in the graphs, when a split linear sums its parts in one
+    """Module knobs read at call or capture time: programmatic dependent launch, the linear's
+    warps and stages, the head in the graphs, when a split linear sums its parts in one
     program per tile, the split-K tiling, the attention's keys per tile and segment, warps
     and stages per program."""
     triton_ops.PDL = v.get("pdl", envs.LLMSERVE_PDL)
     triton_ops.IN_ORDER_TILES = v.get("in_order_tiles", _IN_ORDER_TILES)
     triton_ops.TILES_PER_SM = v.get("tiles_per_sm", 2)
     triton_ops.SPLIT_BLOCK_N = v.get("split_block_n", 64)
-    triton_ops.GATED_MAX_ROWS = v.get("gated_max_rows", 64)
     triton_ops._LINEAR_WARPS = v.get("linear_warps", 4)
     triton_ops._LINEAR_STAGES = v.get("linear_stages", 3)
     triton_ops.linear_config.cache_clear()
