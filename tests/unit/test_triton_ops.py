@@ -206,22 +206,6 @@ def test_silu_and_mul(dtype):
     assert rel_err(triton_ops.silu_and_mul(x), ref) < tol
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 5, 64])
-@pytest.mark.parametrize("n, k", [(96, 160), (40, 1024)])  # split in 2 and in 8 parts
-def test_gated_linear_is_silu_and_mul_then_linear_bit_for_bit(dtype, rows, n, k):
-    """A down projection reading its gate/up input through SiLU-and-mul gives the bits of
-    the SiLU kernel followed by the linear (the MLP uses either by the number of rows)."""
-    assert triton_ops.linear_config(n, k)[3] > 1
-    gate_up = randn(rows, 2 * k, dtype=dtype) * 3
-    weight = randn(n, k, dtype=dtype, seed=1)
-    want = triton_ops.linear(triton_ops.silu_and_mul(gate_up), weight)
-    got = triton_ops.linear(gate_up, weight, gated=True)
-    assert torch.equal(got, want)
-    with pytest.raises(ValueError, match="weight's dtype"):
-        triton_ops.linear(gate_up.to(torch.float16), weight, gated=True)
-
-
 def test_store_kv_writes_each_token_at_its_slot():
     kc = torch.zeros(4, 16, 2, 32, dtype=torch.bfloat16, device=DEVICE)
     vc = torch.zeros_like(kc)
@@ -240,7 +224,7 @@ PDL_GPU = CUDA and torch.cuda.get_device_capability()[0] >= 9
 
 def _layer_kernels(x, w_qkv, w_o, norm_w, cos, sin, positions, kc, vc, slots):
     """The layer's kernels in a step's order: norm, split and whole-tile linears, rotary,
-    KV store, SiLU, the residual add; and a gated linear."""
+    KV store, SiLU, the residual add."""
     h = triton_ops.rms_norm(x, norm_w, 1e-5)
     qkv = triton_ops.linear(h, w_qkv)  # [T, 192]: q 4 heads, k and v 1 head of 32
     q, k, v = qkv[:, :128].view(-1, 4, 32), qkv[:, 128:160].view(-1, 1, 32), qkv[:, 160:]
@@ -248,10 +232,8 @@ def _layer_kernels(x, w_qkv, w_o, norm_w, cos, sin, positions, kc, vc, slots):
     triton_ops.store_kv(k, v.view(-1, 1, 32), kc, vc, slots)
     act = triton_ops.silu_and_mul(q.reshape(-1, 128))
     delta = triton_ops.linear(act, w_o)
-    gated = triton_ops.linear(qkv[:, :128], w_o, gated=True)  # rows 192 apart
     residual = x.clone()
-    return (triton_ops.rms_norm(delta, norm_w, 1e-5, residual=residual), residual, qkv,
-            gated)
+    return triton_ops.rms_norm(delta, norm_w, 1e-5, residual=residual), residual, qkv
 
 
 @pytest.mark.skipif(not PDL_GPU, reason="programmatic dependent launch needs a GPU of "

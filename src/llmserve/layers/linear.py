@@ -34,12 +34,6 @@ class Linear(nn.Module):
         y = self.quant_method.apply(self, x)
         return y if self.bias is None else y.add_(self.bias)
 
-    def forward_gated(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """``forward(silu(gate) * up)`` of a fused gate/up output [M, 2 * in_features]; the
-        method may compute those inputs inside its product (``apply_gated``)."""
-        y = self.quant_method.apply_gated(self, gate_up)
-        return y if self.bias is None else y.add_(self.bias)
-
     def load_shard(self, name: str, tensor: WeightSource, shard: str | None = None) -> None:
         """Take a loaded ``weight`` or ``bias`` (of one shard, for a fused layer)."""
         offset, size = (0, self.out_features) if shard is None else self.shard_offsets[shard]

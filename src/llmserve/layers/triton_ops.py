@@ -66,10 +66,6 @@ PDL = envs.LLMSERVE_PDL  # read at call time, like SPLITK_REDUCE
 # and benchmarks can switch it. On an H200, 4096 rows: 1.3-2.0x faster than the parts in
 # programs of their own (BENCHMARKS.md, session 38); 1024 rows (below it) not yet tried.
 IN_ORDER_TILES = 4 * TILES_PER_SM * _SMS
-# A gated linear (``linear(gated=True)``) is used for up to this many rows: one row tile,
-# whose SiLU-and-mul each column tile computes again (next to nothing for a decode; for a
-# prefill's thousands of rows the separate kernel, computing it once, costs less).
-GATED_MAX_ROWS = 64
 
 
 @functools.cache
@@ -99,33 +95,20 @@ def wait_for_inputs(PDL: tl.constexpr):
 
 
 @triton.jit
-def _silu_mul(gate, up, dtype: tl.constexpr):
-    """``silu(gate) * up`` in float32, rounded to ``dtype``: the one formula of the SiLU
-    kernel and of a gated linear's inputs, so that both give the same bits."""
-    g = gate.to(tl.float32)
-    return (g / (1.0 + tl.exp(-g)) * up.to(tl.float32)).to(dtype)
-
-
-@triton.jit
 def _sum_part(a_ptr, w_ptr, rm, rn, M, N, K, k_per_split, part, stride_am, stride_wn,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              UPCAST: tl.constexpr, GATED: tl.constexpr):
+              UPCAST: tl.constexpr):
     """Part ``part`` of a tile: float32 sums from zero over its inputs
     [part * k_per_split, (part + 1) * k_per_split) (within K), in tiles of BLOCK_K, in
-    order. The one place a part's inputs are chosen, whichever program sums it. GATED: the
-    input row is ``silu(a[:, :K]) * a[:, K:]`` of a row of 2K (``_silu_mul``)."""
+    order. The one place a part's inputs are chosen, whichever program sums it."""
     k_lo = part * k_per_split
     k_hi = tl.minimum(K, k_lo + k_per_split)
     rk = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         ks = k0 + rk
-        a_ok = (rm[:, None] < M) & (ks[None, :] < k_hi)
-        a = tl.load(a_ptr + rm[:, None] * stride_am + ks[None, :], mask=a_ok, other=0.0)
-        if GATED:
-            up = tl.load(a_ptr + rm[:, None] * stride_am + K + ks[None, :], mask=a_ok,
-                         other=0.0)
-            a = _silu_mul(a, up, a_ptr.dtype.element_ty)
+        a = tl.load(a_ptr + rm[:, None] * stride_am + ks[None, :],
+                    mask=(rm[:, None] < M) & (ks[None, :] < k_hi), other=0.0)
         w = tl.load(w_ptr + rn[None, :] * stride_wn + ks[:, None],
                     mask=(rn[None, :] < N) & (ks[:, None] < k_hi), other=0.0)  # [BK, BN]
         if UPCAST:  # the interpreter multiplies 16-bit matrices wrongly
@@ -140,7 +123,7 @@ def _linear_kernel(a_ptr, w_ptr, c_ptr, part_ptr, count_ptr, M, N, K, k_per_spli
                    stride_am, stride_wn, stride_cm, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr,
                    IN_ORDER: tl.constexpr, FUSED: tl.constexpr, UPCAST: tl.constexpr,
-                   GATED: tl.constexpr, PDL: tl.constexpr):
+                   PDL: tl.constexpr):
     """C [M, N] = A [M, K] @ W [N, K]^T: float32 sums over K in tiles of BLOCK_K, in order.
     With SPLITS > 1 the inputs are cut into parts of ``k_per_split``, each summed from zero,
     and the parts' sums are added in order:
@@ -158,15 +141,15 @@ def _linear_kernel(a_ptr, w_ptr, c_ptr, part_ptr, count_ptr, M, N, K, k_per_spli
     out = c_ptr + rm[:, None] * stride_cm + rn[None, :]
     if IN_ORDER:
         acc = _sum_part(a_ptr, w_ptr, rm, rn, M, N, K, k_per_split, 0, stride_am, stride_wn,
-                        BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, GATED)
+                        BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
         for s in range(1, SPLITS):
             acc += _sum_part(a_ptr, w_ptr, rm, rn, M, N, K, k_per_split, s, stride_am,
-                             stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, GATED)
+                             stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
         tl.store(out, acc.to(c_ptr.dtype.element_ty), mask=ok)
     elif SPLITS > 1:
         split = tl.program_id(2)
         acc = _sum_part(a_ptr, w_ptr, rm, rn, M, N, K, k_per_split, split, stride_am,
-                        stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, GATED)
+                        stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
         parts = part_ptr + rm[:, None] * N + rn[None, :]
         tl.store(parts + split * M * N, acc, mask=ok)
         if FUSED:
@@ -185,7 +168,7 @@ def _linear_kernel(a_ptr, w_ptr, c_ptr, part_ptr, count_ptr, M, N, K, k_per_spli
                 tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")  # next call
     else:  # one part: k_per_split covers K
         acc = _sum_part(a_ptr, w_ptr, rm, rn, M, N, K, k_per_split, 0, stride_am, stride_wn,
-                        BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, GATED)
+                        BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
         tl.store(out, acc.to(c_ptr.dtype.element_ty), mask=ok)
 
 
@@ -259,20 +242,12 @@ def in_order(tiles: int, splits: int) -> bool:
     return splits > 1 and tiles >= IN_ORDER_TILES
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> torch.Tensor:
-    """``x`` [M, K] @ ``weight`` [N, K]^T -> [M, N] in the weight's dtype. ``gated``: ``x``
-    is a fused gate/up projection [M, 2K] in the weight's dtype, and the product is of
-    ``silu_and_mul(x)``, with the same bits, its inputs computed as they are read (one
-    launch and one round trip through memory fewer)."""
-    if gated and x.dtype != weight.dtype:
-        raise ValueError(f"a gated linear takes its input in the weight's dtype "
-                         f"({weight.dtype}), not {x.dtype}")
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x`` [M, K] @ ``weight`` [N, K]^T -> [M, N] in the weight's dtype."""
     x = x.to(weight.dtype)
     if x.stride(-1) != 1:
         x = x.contiguous()
     m, k = x.shape
-    if gated:
-        k //= 2
     n = weight.shape[0]
     out = torch.empty(m, n, dtype=weight.dtype, device=x.device)
     if m == 0:
@@ -291,7 +266,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> torch.
     _linear_kernel[grid](
         x, weight, out, part, counters, m, n, k, k_per_split, x.stride(0), weight.stride(0),
         out.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLITS=splits, IN_ORDER=ordered,
-        FUSED=fused, UPCAST=INTERPRETED, GATED=gated, num_warps=_LINEAR_WARPS,
+        FUSED=fused, UPCAST=INTERPRETED, num_warps=_LINEAR_WARPS,
         num_stages=_LINEAR_STAGES, **pdl_launch(pdl))
     if parallel and not fused:
         block = 1024
@@ -386,10 +361,10 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, d, stride_x, stride_o, BLOCK: tl.conste
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < d
-    gate = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
-    up = tl.load(x_ptr + row * stride_x + d + cols, mask=ok, other=0.0)
-    tl.store(out_ptr + row * stride_o + cols, _silu_mul(gate, up, out_ptr.dtype.element_ty),
-             mask=ok)
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + d + cols, mask=ok, other=0.0).to(tl.float32)
+    out = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

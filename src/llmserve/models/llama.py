@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from llmserve.attention import Attention, AttentionContext
+from llmserve.layers.activation import silu_and_mul
 from llmserve.layers.linear import Linear, MergedLinear, VocabEmbedding
 from llmserve.layers.norm import RMSNorm
 from llmserve.layers.quantization import WeightFormat
@@ -67,7 +68,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(size, cfg.hidden_size, bias=cfg.mlp_bias, fmt=fmt)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj.forward_gated(self.gate_up_proj(x))  # SiLU-and-mul inside
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):

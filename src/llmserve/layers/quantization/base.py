@@ -71,14 +71,6 @@ class LinearMethod(ABC):
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """``x``: [M, in] float32 -> [M, out] float32."""
 
-    def apply_gated(self, layer: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
-        """``apply`` to ``silu(gate) * up`` of a fused gate/up output ``gate_up`` [M, 2 * in]
-        (an MLP's down projection). A method whose kernel computes those inputs as it reads
-        them overrides this, with the same result."""
-        from llmserve.layers.activation import silu_and_mul
-
-        return self.apply(layer, silu_and_mul(gate_up))
-
     def fused_kernel(self, layer: nn.Module) -> tuple | None:
         """The compiled kernel ``apply`` calls, as the arguments of ``make_linear_plan``
         after its kind (``("int4", packed, scale_zero, None, out, 0, group)``), for a fused

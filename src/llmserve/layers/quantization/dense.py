@@ -144,17 +144,6 @@ class DenseMethod(LinearMethod):
             return F.linear(x.to(weight.dtype), weight)
         return F.linear(x, _widened(weight))
 
-    def apply_gated(self, layer: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
-        # On a GPU, up to a tile of rows (a decode), the Triton linear computes SiLU-and-mul
-        # as it reads its inputs: the same bits as the two kernels, one launch fewer.
-        gpu = gpu_ops_for(gate_up)
-        weight = getattr(layer, "weight", None)
-        if (gpu is not None and weight is not None and gate_up.dim() == 2
-                and gate_up.dtype == weight.dtype and weight.device == gate_up.device
-                and gate_up.shape[0] <= gpu.GATED_MAX_ROWS):
-            return gpu.linear(gate_up, weight, gated=True)
-        return super().apply_gated(layer, gate_up)
-
     def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         if self._ops is not None:
             return unpack_rows(layer.weight_panels, ids).float()
