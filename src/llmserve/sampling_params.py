@@ -8,6 +8,7 @@ when the request is added to the engine.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from collections.abc import Mapping, Sequence
@@ -181,6 +182,15 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)
+
+    @functools.cached_property
+    def plain_greedy(self) -> bool:
+        """The next token is the argmax of the raw logits: greedy, and nothing that changes
+        the logits first (bias, penalties, min_tokens, a grammar) or is read beside them
+        (logprobs). The sampler needs nothing of such a request but its logits."""
+        return (self.greedy and not self.logit_bias and not self.has_penalties
+                and self.min_tokens == 0 and self.structured_outputs is None
+                and self.logprobs is None)
 
     def child(self, index: int) -> SamplingParams:
         """Parameters of the index-th of n sequences: n = 1 and, if seeded, seed + index.

@@ -147,14 +147,15 @@ class KVCacheManager:
         rid = request.request_id
         bs = self.block_size
         tables = self._req_blocks.get(rid)
-        hit_any = new_computed_blocks is not None and any(new_computed_blocks)
-        if tables and self._no_windows and not hit_any:
+        if (tables and self._no_windows
+                and (new_computed_blocks is None or not any(new_computed_blocks))):
             # Growing within the blocks it holds (a decode, 15 steps of 16): nothing to
             # release without a window, nothing to take; what follows would change nothing.
             total = request.num_computed_tokens + num_new_tokens
             if min(map(len, tables)) * bs >= total:
-                if self.enable_caching:
-                    self._cache_full_blocks(request, tables, min(total, request.num_tokens))
+                full = min(total, request.num_tokens) // bs
+                if self.enable_caching and full > self._req_num_hashed.get(rid, 0):
+                    self._cache_full_blocks(request, tables, full * bs)
                 return []
         hits = new_computed_blocks or [[] for _ in self.windows]
         tables = tables or [[] for _ in self.windows]

@@ -75,6 +75,11 @@ class Sampler:
         """``logits``: [N, V] float32, one row per entry of ``rows``."""
         return self.launch(logits, rows).result()
 
+    def launch_greedy(self, logits: torch.Tensor) -> PendingSample:
+        """``launch`` for rows that are all ``plain_greedy``: the argmax of each row, with
+        no per-row parameters to gather (what ``launch`` computes for such rows)."""
+        return PendingSample(ops.argmax(logits), [], None)
+
     def launch(self, logits: torch.Tensor, rows: list[SamplingRow]) -> PendingSample:
         """Sample on the device without waiting for it (on a GPU nothing here reads back to
         the host); ``result()`` of the returned object gives the tokens."""
