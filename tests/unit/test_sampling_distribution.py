@@ -6,6 +6,7 @@ import math
 
 import torch
 
+from llmserve.runner.model_runner import token_seed
 from llmserve.sample.sampler import Sampler, SamplingRow
 from llmserve.sampling_params import SamplingParams
 
@@ -39,13 +40,13 @@ def test_sampled_frequencies_match_intended_distribution():
     params = SamplingParams(temperature=0.7, top_k=6, top_p=0.9)
     expected = _intended(logits, 0.7, 6, 0.9)
     draws = 20000
-    gen = torch.Generator().manual_seed(1234)
-    row = SamplingRow(params, gen, [], [], frozenset())
     sampler = Sampler()
     batch = torch.tensor([logits] * 500)
     counts = [0] * len(logits)
-    for _ in range(draws // 500):
-        for t in sampler(batch.clone(), [row] * 500).token_ids:
+    for r in range(draws // 500):  # every draw its own key, as every sampled token has
+        rows = [SamplingRow(params, token_seed(1234, r * 500 + i), [], [], frozenset())
+                for i in range(500)]
+        for t in sampler(batch.clone(), rows).token_ids:
             counts[t] += 1
     support = [j for j, p in enumerate(expected) if p > 0]
     assert all(counts[j] == 0 for j in range(len(logits)) if expected[j] == 0), counts

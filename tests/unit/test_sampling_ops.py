@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from llmserve.csrc import cpu_ops
 from llmserve.sample import ops
 
 N, V = 6, 50
@@ -155,9 +156,64 @@ def test_argmax(vocab: int):
     assert ops.argmax(strided).tolist() == [_slow_argmax(r) for r in strided.tolist()]
 
 
+def _race_batch(vocab: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Probabilities with the rows a sampler meets (filtered, one-hot, tiny, NaN) and keys."""
+    gen = torch.Generator().manual_seed(seed)
+    probs = (torch.randn(8, vocab, generator=gen) * 4).softmax(dim=1)
+    probs[1, vocab // 2:] = 0.0                    # top-k/top-p filtered
+    probs[2] = 0.0
+    probs[2, vocab - 1] = 1.0                      # one token left
+    probs[3] = 1e-40                               # denormal probabilities
+    probs[4, vocab // 3] = float("nan")            # NaN wins, as in torch.argmax
+    probs[5] = 1.0 / vocab                         # uniform: the largest u wins
+    keys = torch.randint(0, 2**32, (8, 2), generator=gen)
+    keys[6] = torch.tensor([0, 0])
+    keys[7] = torch.tensor([2**32 - 1, 2**32 - 1])
+    return probs, keys
+
+
+@pytest.mark.parametrize("vocab", [1, 15, 16, 17, 4095, 4096, 4097, 49152])
+def test_exponential_race_kernel_is_the_reference_bit_for_bit(vocab: int):
+    """The compiled race computes every score with the reference's float32 operations
+    (hash, 24-bit uniform, Cephes' log, one division): the same bits, the same draws."""
+    kernels = cpu_ops()
+    if kernels is None:
+        pytest.skip("the compiled CPU kernels are not built here")
+    probs, keys = _race_batch(vocab, vocab)
+    want = ops.race_scores(probs, keys)
+    got = kernels.exponential_race_scores(probs, keys)
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.nan_to_num(), want.nan_to_num())
+    drawn = ops.exponential_race(probs, keys)
+    assert drawn.tolist() == want.argmax(dim=1).tolist()
+    assert drawn[2] == vocab - 1 and drawn[4] == vocab // 3
+
+
+def test_race_log_and_uniforms():
+    """The reference's log is Cephes' logf (within 2 float32 ulp of the true log over the
+    race's uniforms), and the hash spreads a row's uniforms evenly over (0, 1), with rows
+    whose keys differ in one bit unrelated."""
+    u = torch.linspace(2.0**-25, 1.0 - 2.0**-24, 200001, dtype=torch.float32)
+    exact = torch.log(u.double())
+    y = exact.float()
+    ulp = (torch.nextafter(y, torch.full_like(y, math.inf)) - y).abs().double()
+    assert ((ops._log(u).double() - exact).abs() <= 2 * ulp).all()
+    v = torch.arange(1 << 16)
+    keys = torch.tensor([[12345, 678], [12345 ^ 1, 678], [12345, 678 ^ 1]])
+    h = ops._mix32(ops._mix32(v ^ keys[:, :1]) ^ keys[:, 1:])
+    uniforms = ((h >> 8).float() + 0.5) * 2.0**-24
+    counts = torch.stack([torch.histc(r, bins=16, min=0.0, max=1.0) for r in uniforms])
+    expected = (1 << 16) / 16
+    assert (((counts - expected) ** 2 / expected).sum(dim=1) < 37.7).all()  # chi2, 15 df, p=.001
+    for other in (1, 2):
+        r = torch.corrcoef(torch.stack([uniforms[0], uniforms[other]]))[0, 1]
+        assert abs(float(r)) < 0.02
+
+
 def test_row_results_do_not_depend_on_the_batch():
     """What the sampler computes over a row of the vocabulary (the logprobs' log_softmax, the
-    draw's softmax, top-p's sorted cumulative sum, min-p, top-k, argmax) is bitwise the same
+    draw's softmax, top-p's sorted cumulative sum, min-p, top-k, argmax, the draw itself) is
+    bitwise the same
     for a row alone and inside batches of any size: a seeded request draws the same token
     and reports the same logprobs however it is batched. (A float ``sum(dim=1)`` over such
     rows is not: PyTorch vectorizes it across rows.)"""
@@ -166,6 +222,7 @@ def test_row_results_do_not_depend_on_the_batch():
     x = torch.randn(70, vocab, generator=gen) * 5
     p = torch.rand(70, generator=gen)
     k = torch.randint(1, 100, (70,), generator=gen)
+    keys = torch.randint(0, 2**32, (70, 2), generator=gen)
     per_row = {
         "log_softmax": lambda t, r: t.log_softmax(dim=1),
         "softmax": lambda t, r: t.softmax(dim=1),
@@ -173,6 +230,7 @@ def test_row_results_do_not_depend_on_the_batch():
         "min_p": lambda t, r: ops.apply_min_p(t, p[r] * 0.1),
         "top_k": lambda t, r: ops.apply_top_k(t, k[r]),
         "argmax": lambda t, r: ops.argmax(t),
+        "race": lambda t, r: ops.exponential_race(t.softmax(dim=1), keys[r]),
     }
     for name, f in per_row.items():
         full = f(x, slice(0, 70))

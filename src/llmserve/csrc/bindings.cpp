@@ -40,6 +40,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("isa") = "baseline";
 #endif
   m.def("argmax_rows", &argmax_rows, "torch.argmax(x, dim=1) for float32 rows, faster");
+  m.def("exponential_race", &exponential_race,
+        "one draw per row of probabilities, keyed by the row's two 32-bit words");
+  m.def("exponential_race_scores", &exponential_race_scores,
+        "every score of exponential_race (for the tests)");
   m.def("rotary_embedding_", &rotary_embedding_, "rotate-half rotary embedding, in place");
 
   // Fused decoder layers (decoder_layer.cpp, built by models/fused.py).

@@ -60,6 +60,8 @@ void add_rms_norm_out(at::Tensor& residual, const at::Tensor& delta, const at::T
 at::Tensor silu_and_mul(const at::Tensor& gate_up);
 void silu_and_mul_out(const at::Tensor& gate_up, at::Tensor& out);
 at::Tensor argmax_rows(const at::Tensor& x);
+at::Tensor exponential_race(const at::Tensor& probs, const at::Tensor& keys);
+at::Tensor exponential_race_scores(const at::Tensor& probs, const at::Tensor& keys);
 at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features);
 void dense_linear_out(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
                       at::Tensor& y);

@@ -6,12 +6,12 @@ together); logits are computed only at the rows that sample.
 Speculative decoding is verified in the same pass: a request with k draft tokens samples at
 k + 1 rows (its last known token and each draft), each row with the tokens before it as its
 history, and emits the samples up to and including the first that differs from the draft
-it checks. Every sampled token draws its randomness from its own generator, seeded by the
-request's seed and the token's position in the sequence, so a row samples exactly what it
-would have sampled without speculation: the output is the same token for token (greedy or
-seeded), and accepting a proposal only when the target's own sample equals it is the
-rejection rule for a deterministic proposal (accepted with probability p(draft); on
-rejection the target's sample, which is then distributed as p without the draft,
+it checks. Every sampled token draws its randomness with its own key, made of the
+request's seed and the token's position in the sequence (``token_seed``), so a row samples
+exactly what it would have sampled without speculation: the output is the same token for
+token (greedy or seeded), and accepting a proposal only when the target's own sample equals
+it is the rejection rule for a deterministic proposal (accepted with probability p(draft);
+on rejection the target's sample, which is then distributed as p without the draft,
 renormalised).
 """
 
@@ -270,11 +270,11 @@ class ModelRunner:
         if not params.ignore_eos:
             stop_ids |= self.eos_token_ids
         output = s.output_token_ids + s.draft_token_ids[:j] if j else s.output_token_ids
-        generator = None
+        seed = None
         if not params.greedy:
             position = s.start_pos + s.num_tokens - s.num_draft_tokens + j  # of the sample
-            generator = self._generator(s.request_id, params.seed, position)
-        return SamplingRow(params, generator, s.prompt_token_ids, output, stop_ids)
+            seed = token_seed(self._request_seed(s.request_id, params.seed), position)
+        return SamplingRow(params, seed, s.prompt_token_ids, output, stop_ids)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, end: int,
                          s: ScheduledRequest) -> tuple[int, list[TokenLogprobs]] | None:
@@ -325,15 +325,16 @@ class ModelRunner:
                  + positions % self.block_size)  # [G, T]
         return input_ids, positions, tables, slots
 
-    def _generator(self, request_id: str, seed: int | None, position: int) -> torch.Generator:
-        """The generator of the token sampled at ``position``: the same whatever the batch,
-        the step it falls in, or the drafts verified around it."""
+    def _request_seed(self, request_id: str, seed: int | None) -> int:
+        """The request's base seed: its own, or one drawn for it on its first sample. With
+        the position it keys each token's draw: the same whatever the batch, the step it
+        falls in, or the drafts verified around it."""
         base = self._seeds.get(request_id)
         if base is None:
             if seed is None:
                 seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_source))
             base = self._seeds[request_id] = seed
-        return torch.Generator(device=self.device).manual_seed(token_seed(base, position))
+        return base
 
 
 def int64_tensor(values: list) -> torch.Tensor:
@@ -343,7 +344,8 @@ def int64_tensor(values: list) -> torch.Tensor:
 
 
 def token_seed(base: int, position: int) -> int:
-    """splitmix64 of (seed, position): independent streams for neighbouring positions."""
+    """splitmix64 of (seed, position): the key of the token sampled at ``position``,
+    independent for neighbouring positions."""
     x = (base * 0x9E3779B97F4A7C15 + position + 1) & 0xFFFFFFFFFFFFFFFF
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF

@@ -31,6 +31,75 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=1)
 
 
+# The exponential race (``exponential_race``): Cephes' logf coefficients as float32 values.
+_LOG_POLY = tuple(float.fromhex(c) for c in (
+    "0x1.204376p-4", "-0x1.d7a37p-4", "0x1.de4a34p-4", "-0x1.fcba9ep-4", "0x1.23d37ep-3",
+    "-0x1.555ca0p-3", "0x1.999d58p-3", "-0x1.fffff8p-3", "0x1.555554p-2"))
+_SQRT_HALF = float.fromhex("0x1.6a09e6p-1")
+_LOG_LO, _LOG_HI = float.fromhex("-0x1.bd0106p-13"), float.fromhex("0x1.63p-1")
+
+
+def race_keys(seeds: list[int], device: torch.device) -> torch.Tensor:
+    """Each row's 64-bit seed (``model_runner.token_seed``) as two 32-bit words, [N, 2]."""
+    words = [(s & 0xFFFFFFFF, (s >> 32) & 0xFFFFFFFF) for s in seeds]
+    return to_device(device, words, torch.int64)
+
+
+def exponential_race(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """One draw per row of ``probs`` [N, V] (float32, rows summing to 1): the token
+    ``argmax_v p[v] / E[v]`` with ``E[v] = -log(u[v])`` exponentially distributed, so token
+    v wins with probability p[v]. ``u[v]`` in (0, 1) is a counter-based hash of the row's key
+    (``race_keys``) and v: a row's draw depends on its key and its probabilities alone, and
+    the whole batch is drawn at once (no per-row generator). Ties go to the first index;
+    a NaN probability wins (``torch.argmax``'s rules). On CPU the compiled kernel computes
+    the same operations (``csrc/sample_race.cpp``); the same bits."""
+    if probs.device.type == "cpu" and probs.dtype == torch.float32 and probs.dim() == 2 \
+            and probs.stride(1) == 1 and probs.shape[1] > 0:
+        kernels = cpu_ops()
+        if kernels is not None:
+            return kernels.exponential_race(probs, keys)
+    # A few million scores at a time: the hash's int64 temporaries are 8 bytes an entry.
+    step = max(1, (1 << 22) // max(1, probs.shape[1]))
+    return torch.cat([race_scores(probs[r:r + step], keys[r:r + step]).argmax(dim=1)
+                      for r in range(0, probs.shape[0], step)])
+
+
+def race_scores(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """``p[v] / E[v]`` of ``exponential_race``, in PyTorch ops (any device): the
+    reference the compiled kernel is held to."""
+    v = torch.arange(probs.shape[1], dtype=torch.int64, device=probs.device)
+    h = _mix32(_mix32(v ^ keys[:, :1]) ^ keys[:, 1:])  # [N, V] in [0, 2^32)
+    u = ((h >> 8).to(torch.float32) + 0.5) * 2.0**-24  # exact: 24 bits, then a power of 2
+    return probs / (0.0 - _log(u))
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """lowbias32 on 32-bit words held in int64 (multiplies split so none overflows)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x = x ^ (x >> 15)
+    x = (x * 0xA68B + (((x * 0x846C) & 0xFFFF) << 16)) & 0xFFFFFFFF  # x * 0x846CA68B
+    return x ^ (x >> 16)
+
+
+def _log(x: torch.Tensor) -> torch.Tensor:
+    """Cephes' logf for normal positive float32 ``x``, one float32 operation at a time
+    (the compiled kernel's ``vlog``)."""
+    m, exponent = torch.frexp(x)  # m in [0.5, 1)
+    e = exponent.to(torch.float32)
+    small = m < _SQRT_HALF
+    e = torch.where(small, e - 1.0, e)
+    m = torch.where(small, (m + m) - 1.0, m - 1.0)
+    z = m * m
+    y = torch.full_like(m, _LOG_POLY[0])
+    for c in _LOG_POLY[1:]:
+        y = y * m + c
+    y = (y * m) * z
+    y = y + e * _LOG_LO
+    y = y + z * -0.5
+    return (m + y) + e * _LOG_HI
+
+
 def apply_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
     """``temperature``: [N] float, > 0 (greedy rows carry 1.0)."""
     return logits / temperature.unsqueeze(1)

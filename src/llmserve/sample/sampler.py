@@ -5,8 +5,9 @@ frequency and presence penalties, then temperature, top-k, top-p and min-p, then
 per row. Greedy rows take the argmax after bias and penalties. When every row is greedy
 with no bias or penalty, the step is a single argmax.
 
-Every request draws from its own ``torch.Generator``, so a seeded request produces the same
-tokens whatever else shares its batch.
+Every sampled row draws with its own key (the request's seed and the token's position, see
+``ModelRunner._sampling_row``): a seeded request produces the same tokens whatever else
+shares its batch, and the whole batch is drawn in one pass (``ops.exponential_race``).
 
 Log-probabilities are taken from the model's raw distribution: ``log_softmax`` of the
 logits before bias, penalties, temperature and filtering (vLLM's default).
@@ -27,7 +28,7 @@ class SamplingRow:
     """One row of the step's logits: the request's parameters and what it has seen."""
 
     params: SamplingParams
-    generator: torch.Generator | None
+    seed: int | None  # the draw's 63-bit key (``ops.race_keys``); None for greedy rows
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     stop_ids: frozenset[int]  # EOS ids (unless ignore_eos) and stop_token_ids, for min_tokens
@@ -128,7 +129,7 @@ class Sampler:
                 greedy: list[bool]) -> torch.Tensor:
         device = logits.device
         params = [r.params for r in rows]
-        greedy_choice = ops.argmax(logits)
+        greedy_choice = ops.argmax(logits) if any(greedy) else None
         temperature = ops.to_device(
             device, [1.0 if g else p.temperature for p, g in zip(params, greedy)], torch.float32)
         logits = ops.apply_temperature(logits, temperature)
@@ -142,15 +143,9 @@ class Sampler:
             min_p = ops.to_device(device, [p.min_p for p in params], torch.float32)
             logits = ops.apply_min_p(logits, min_p)
         probs = logits.softmax(dim=1)
-        chosen = greedy_choice.clone()
-        for i, (is_greedy, row) in enumerate(zip(greedy, rows)):
-            if not is_greedy:
-                chosen[i] = sample_row(probs[i], row.generator)
-        return chosen
-
-
-def sample_row(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One draw from ``probs`` [V] via the exponential race: argmax of p / E, E ~ Exp(1)
-    (a 0-d tensor on ``probs``' device)."""
-    noise = torch.empty_like(probs).exponential_(generator=generator)
-    return (probs / noise).argmax()
+        drawn = [i for i, g in enumerate(greedy) if not g]
+        keys = ops.race_keys([rows[i].seed for i in drawn], device)
+        if greedy_choice is None:
+            return ops.exponential_race(probs, keys)
+        at = ops.to_device(device, drawn, torch.int64)
+        return greedy_choice.index_copy(0, at, ops.exponential_race(probs[at], keys))
