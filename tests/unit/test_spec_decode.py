@@ -727,8 +727,8 @@ def test_verifying_a_draft_keeps_the_target_distribution():
     sampler = Sampler()
 
     def rows(position_seed_base: int) -> list[SamplingRow]:
-        return [SamplingRow(params, torch.Generator().manual_seed(token_seed(s, 10)), [], [],
-                            frozenset()) for s in range(position_seed_base, trials)]
+        return [SamplingRow(params, token_seed(s, 10), [], [], frozenset())
+                for s in range(position_seed_base, trials)]
 
     first = sampler(logits.repeat(trials, 1), rows(0)).token_ids
     emitted = [accepted_prefix([t, 0], [draft])[0] for t in first]
