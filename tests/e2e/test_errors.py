@@ -137,7 +137,8 @@ def test_documented_no_effect_fields_are_accepted(tiny_server):
 
 @pytest.fixture(scope="module")
 def tight_server(tiny_path, tmp_path_factory):
-    """One sequence at a time, a queue of 2, a 1-second deadline."""
+    """One sequence at a time, a queue of 2, a 1-second deadline (which the 30-token
+    requests here meet)."""
     server = start_server(tiny_path, tmp_path_factory.mktemp("tight"), "--max-num-seqs", "1",
                           "--max-queued-requests", "2", "--request-timeout", "1",
                           "--max-model-len", "1024", name="tight")
@@ -173,19 +174,31 @@ def test_full_queue_is_429_with_retry_after(tight_server):
     assert m[key] >= 1
 
 
-def test_deadline_ends_a_request_with_a_clear_error(tight_server):
-    r = httpx.post(f"{tight_server.v1}/completions", timeout=60,
-                   json={"model": tight_server.model, "prompt": "hi", "max_tokens": 1000,
+@pytest.fixture(scope="module")
+def deadline_server(tmp_path_factory):
+    """The default model with a half-second deadline: 1000 tokens take it seconds on any
+    CPU (the tiny model decodes them in about one on this one, too close to a deadline)."""
+    server = start_server("smollm2-135m-instruct", tmp_path_factory.mktemp("deadline"),
+                          "--max-num-seqs", "1", "--request-timeout", "0.5",
+                          "--max-model-len", "1024", name="deadline")
+    yield server
+    assert server.stop() == 0
+
+
+def test_deadline_ends_a_request_with_a_clear_error(deadline_server):
+    server = deadline_server
+    r = httpx.post(f"{server.v1}/completions", timeout=60,
+                   json={"model": server.model, "prompt": "hi", "max_tokens": 1000,
                          "ignore_eos": True, "min_tokens": 1000})
     err = _envelope(r, 408, code="request_timeout")
-    assert "timed out after 1 s" in err["message"]
-    with httpx.stream("POST", f"{tight_server.v1}/completions", timeout=60,
-                      json={"model": tight_server.model, "prompt": "hi", "max_tokens": 1000,
+    assert "timed out after 0.5 s" in err["message"]
+    with httpx.stream("POST", f"{server.v1}/completions", timeout=60,
+                      json={"model": server.model, "prompt": "hi", "max_tokens": 1000,
                             "ignore_eos": True, "stream": True}) as s:
         lines = [line for line in s.iter_lines() if line]
     assert lines[-1] == "data: [DONE]"
     assert "request_timeout" in lines[-2]
-    m = tight_server.wait_idle()
+    m = server.wait_idle()
     assert m["llmserve:kv_cache_usage_perc"] == 0
 
 
