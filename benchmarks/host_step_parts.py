@@ -1,6 +1,7 @@
 """The host's share of a decode step at many sequences, by part: scheduling, the runner's
-input preparation, the model, the output head, the sampler (its argmax apart) and the
-scheduler's update; and the host's own work, the step less the model, head and argmax.
+input preparation, the model, the output head, the sampler (its argmax or draw apart) and
+the scheduler's update; and the host's own work, the step less the model, head and argmax
+or draw (with ``--temperature``, the sampler's softmax stays in it).
 
 A tiny random Llama (hidden 64, 2 layers, the 49152-token head) on CPU, ``--batch``
 sequences of 64-token prompts decoding together, so that the per-request Python work (the
@@ -29,6 +30,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--async-scheduling", action="store_true")
     ap.add_argument("--no-freeze", action="store_true", help="leave the collector as is")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="sampled requests (greedy by default)")
     ap.add_argument("--root", type=Path, default=Path(__file__).resolve().parents[1],
                     help="the tree whose benchmarks/cuda_bench.py builds the engine")
     args = ap.parse_args()
@@ -42,7 +45,8 @@ def main() -> None:
     core = cb.engine(path, "cpu", False, max_num_seqs=max(256, args.batch),
                      async_scheduling=args.async_scheduling or None)
     rng = random.Random(0)
-    params = SamplingParams(temperature=0, max_tokens=args.steps + 20, ignore_eos=True)
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.steps + 20,
+                            ignore_eos=True)
     for i in range(args.batch):
         core.add_request(f"r{i}", [rng.randrange(17, cb.VOCAB) for _ in range(64)], params)
     for _ in range(10):
@@ -69,6 +73,7 @@ def main() -> None:
                            (sched, "schedule_next", "schedule_next"), (sched, "update", "update"),
                            (runner, "_prepare", "prepare"), (runner.model, "forward", "model"),
                            (runner.model, "compute_logits", "head"), (ops, "argmax", "argmax"),
+                           (ops, "exponential_race", "draw"),
                            (runner.sampler, "launch", "sampler"),
                            (runner.sampler, "launch_greedy", "sampler")):
         if hasattr(obj, name):  # (launch_greedy: not in older trees)
@@ -77,9 +82,9 @@ def main() -> None:
     for _ in range(args.steps):
         core.step()
     total = time.perf_counter() - start
-    # The host's own work: all but the arithmetic (the model, its head and the argmax,
-    # which a GPU runs while the host goes on).
-    host = total - sum(times.get(k, 0.0) for k in ("model", "head", "argmax"))
+    # The host's own work: all but the arithmetic (the model, its head, the argmax or the
+    # draw, which a GPU runs while the host goes on).
+    host = total - sum(times.get(k, 0.0) for k in ("model", "head", "argmax", "draw"))
     parts = ", ".join(f"{k} {v / args.steps * 1e3:.2f}" for k, v in times.items())
     print(f"B={args.batch}: {total / args.steps * 1e3:.2f} ms/step, host's own "
           f"{host / args.steps * 1e3:.2f}; {parts}")

@@ -266,9 +266,11 @@ class ModelRunner:
     def _sampling_row(self, s: ScheduledRequest, j: int) -> SamplingRow:
         """Row ``j`` of a request's k + 1: the drafts before it count as generated."""
         params = s.sampling_params
-        stop_ids = frozenset(params.stop_token_ids)
-        if not params.ignore_eos:
-            stop_ids |= self.eos_token_ids
+        stop_ids: frozenset[int] = frozenset()  # read for min_tokens only
+        if params.min_tokens:
+            stop_ids = frozenset(params.stop_token_ids)
+            if not params.ignore_eos:
+                stop_ids |= self.eos_token_ids
         output = s.output_token_ids + s.draft_token_ids[:j] if j else s.output_token_ids
         seed = None
         if not params.greedy:

@@ -31,7 +31,8 @@ class SamplingRow:
     seed: int | None  # the draw's 63-bit key (``ops.race_keys``); None for greedy rows
     prompt_token_ids: list[int]
     output_token_ids: list[int]
-    stop_ids: frozenset[int]  # EOS ids (unless ignore_eos) and stop_token_ids, for min_tokens
+    # EOS ids (unless ignore_eos) and stop_token_ids, which min_tokens hides (empty without)
+    stop_ids: frozenset[int]
 
 
 @dataclass
