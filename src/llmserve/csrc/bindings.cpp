@@ -45,6 +45,33 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("exponential_race_scores", &exponential_race_scores,
         "every score of exponential_race (for the tests)");
   m.def("rotary_embedding_", &rotary_embedding_, "rotate-half rotary embedding, in place");
+  m.def(
+      "parallel_shares",
+      [](int64_t n, int64_t grain, int64_t rounds, bool team, int64_t fail_at) {
+        // For the tests of team.h: `rounds` parallel loops over n items, in one team or each
+        // through at::parallel_for; per round and item, the first item of the share that
+        // computed it and the OpenMP thread that did. Item fail_at throws.
+        at::Tensor out = at::full({rounds, n, 2}, -1, at::kLong);
+        int64_t* o = out.data_ptr<int64_t>();
+        const auto loops = [&] {
+          for (int64_t r = 0; r < rounds; ++r)
+            parallel_for(0, n, grain, [&](int64_t b, int64_t e) {
+              for (int64_t i = b; i < e; ++i) {
+                TORCH_CHECK(i != fail_at, "item ", i, " failed");
+                o[(r * n + i) * 2] = b;
+                o[(r * n + i) * 2 + 1] = omp_get_thread_num();
+              }
+            });
+        };
+        if (team)
+          run_as_team(loops);
+        else
+          loops();
+        return out;
+      },
+      "for the tests: how parallel loops split n items, in a team or not",
+      py::call_guard<py::gil_scoped_release>(), py::arg("n"), py::arg("grain"),
+      py::arg("rounds"), py::arg("team"), py::arg("fail_at") = -1);
 
   // Fused decoder layers (decoder_layer.cpp, built by models/fused.py).
   py::class_<LinearPlan, std::shared_ptr<LinearPlan>>(m, "LinearPlan");

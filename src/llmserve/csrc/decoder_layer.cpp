@@ -21,6 +21,24 @@
 
 namespace llmserve {
 
+namespace {
+
+// y[r] += bias for every row: at::add_'s one rounded add per element, split over the stack's
+// team (ATen's own loop would run on one thread inside the team's region).
+void add_bias(at::Tensor& y, const at::Tensor& bias) {
+  TORCH_INTERNAL_ASSERT(bias.scalar_type() == at::kFloat && bias.is_contiguous() &&
+                        bias.numel() == y.size(1));
+  float* yp = y.data_ptr<float>();
+  const float* bp = bias.data_ptr<float>();
+  const int64_t n = y.size(1);
+  parallel_for(0, y.size(0), 16, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r)
+      for (int64_t j = 0; j < n; ++j) yp[r * n + j] += bp[j];
+  });
+}
+
+}  // namespace
+
 void LinearPlan::operator()(const at::Tensor& x, at::Tensor& y) const {
   switch (kind) {
     case Kind::kDense: dense_linear_out(x, packed, out_features, y); break;
@@ -29,7 +47,7 @@ void LinearPlan::operator()(const at::Tensor& x, at::Tensor& y) const {
       break;
     case Kind::kInt4: int4_linear_out(x, packed, aux, group, out_features, y); break;
   }
-  if (bias.has_value()) y.add_(*bias);
+  if (bias.has_value()) add_bias(y, *bias);
 }
 
 std::shared_ptr<LinearPlan> make_linear_plan(const std::string& kind, at::Tensor packed,
@@ -55,7 +73,12 @@ std::shared_ptr<LinearPlan> make_linear_plan(const std::string& kind, at::Tensor
   plan->out_features = out_features;
   plan->levels = levels;
   plan->group = group;
-  plan->bias = std::move(bias);
+  // As float32 (at::add_ widens a narrower bias alike), one contiguous vector for add_bias.
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features, "a bias of ",
+                bias->sizes(), " for ", out_features, " outputs");
+    plan->bias = bias->to(at::kFloat).contiguous();
+  }
   return plan;
 }
 
@@ -130,11 +153,15 @@ std::pair<at::Tensor, at::Tensor> DecoderStack::run(at::Tensor hidden, const at:
   // next layer adds to the stream before its own projections overwrite it.
   at::Tensor res = std::move(hidden), out = at::empty_like(res);
   Workspace w;
-  for (size_t i = 0; i < layers.size(); ++i) {
-    w.fit(*layers[i], res.size(0), res.options());
-    decoder_layer(*layers[i], w, res, i == 0 ? nullptr : &out, out, positions, caches[i],
-                  slots, block_tables, query_start);
-  }
+  // One OpenMP region for the whole stack, its kernels' parallel loops run by the region's
+  // team (team.h), not one region a kernel.
+  run_as_team([&] {
+    for (size_t i = 0; i < layers.size(); ++i) {
+      w.fit(*layers[i], res.size(0), res.options());
+      decoder_layer(*layers[i], w, res, i == 0 ? nullptr : &out, out, positions, caches[i],
+                    slots, block_tables, query_start);
+    }
+  });
   return {out, res};
 }
 

@@ -208,7 +208,7 @@ void run(const float* x, int64_t ldx, int64_t m, int64_t k, const W* w, int64_t 
   const auto& narrow = tiles_over_panels<W>(1);
   const auto& wide_f = tiles_over_panels<float>(span);
   const auto& narrow_f = tiles_over_panels<float>(1);
-  at::parallel_for(0, spans, 1, [&](int64_t s0, int64_t s1) {
+  parallel_for(0, spans, 1, [&](int64_t s0, int64_t s1) {
     IeeeDenormals ieee;
     // bfloat16 panels that several row tiles read: the first tile widens them to float32
     // as it reads them from memory, here, for the tiles after it (a pass of its own that

@@ -153,7 +153,7 @@ void run_int4(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& s
   float* scaled_sums = scales + m * act_groups;
   const float* xp = x.data_ptr<float>();
   const int64_t x_stride = x.stride(0);
-  at::parallel_for(0, m, 8, [&](int64_t b, int64_t e) {
+  parallel_for(0, m, 8, [&](int64_t b, int64_t e) {
     // Locals, not the captured references: the stores of codes may alias anything, and
     // every group reloaded the captures behind them.
     const float* x_rows = xp;
@@ -176,7 +176,7 @@ void run_int4(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& s
   // where that evens the threads' shares (9 against 9), each half-panel item a tile of all
   // the rows: the same arithmetic per output, so the same bits.
   const bool single = m <= kSingleTileRows;
-  const int64_t threads = at::get_num_threads();
+  const int64_t threads = num_threads();
   const auto most = [threads](int64_t items) { return (items + threads - 1) / threads; };
   const bool halves = single && most(2 * panels) < 2 * most(panels);
   const TileFn* by_rows = single && !halves ? kernels.single : kernels.by_rows;
@@ -188,7 +188,7 @@ void run_int4(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& s
   const auto* szp = reinterpret_cast<const uint16_t*>(scale_zero.data_ptr<at::Half>());
   float* yp = y.data_ptr<float>();
   const int parts = halves ? 2 : 1;  // items a panel is split into, across its channels
-  at::parallel_for(0, panels * tiles * parts, 1, [&](int64_t b, int64_t e) {
+  parallel_for(0, panels * tiles * parts, 1, [&](int64_t b, int64_t e) {
     for (int64_t part_item = b; part_item < e; ++part_item) {
       const int64_t item = part_item / parts;
       const int half = halves ? static_cast<int>(part_item % parts) : kWholePanel;

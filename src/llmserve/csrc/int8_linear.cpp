@@ -109,7 +109,7 @@ void quantize_activations(const at::Tensor& x, int64_t levels, int64_t group, in
                           uint8_t* codes, float* scales) {
   const int64_t m = x.size(0), k = x.size(1), groups = k / group, stride = x.stride(0);
   const float* xp = x.data_ptr<float>();
-  at::parallel_for(0, m, 8, [&](int64_t b, int64_t e) {
+  parallel_for(0, m, 8, [&](int64_t b, int64_t e) {
     // Locals, not the captured references: the stores of codes may alias anything, and the
     // loop would reload every capture behind them.
     const float* x_rows = xp;
@@ -290,7 +290,7 @@ void int8_linear_out(const at::Tensor& x, const at::Tensor& packed, const at::Te
   const int64_t panel_bytes = quads * kPanel * 64, panel_lines = panel_bytes / 64;
   const bool spread = tiles >= kPanel;
   const int64_t share_lines = (panel_lines + tiles - 1) / tiles;  // <= quads when spread
-  at::parallel_for(0, panels * tiles, 1, [&](int64_t b, int64_t e) {
+  parallel_for(0, panels * tiles, 1, [&](int64_t b, int64_t e) {
     for (int64_t item = b; item < e; ++item) {
       const int64_t p = item / tiles, t = item % tiles, t0 = t * tile_rows;
       const int64_t first_line = std::min(t * share_lines, panel_lines);
@@ -441,7 +441,7 @@ void int8_linear_out(const at::Tensor& x, const at::Tensor& packed, const at::Te
   const int64_t panel_bytes = packed.size(1) * kPanel * 64;
   const Operands op{q, scales, k, groups, w_scale.data_ptr<float>(), y.data_ptr<float>(), n};
   // Work items: (panel, tile of rows), panel-major, as in the VNNI build.
-  at::parallel_for(0, panels * tiles, 1, [&](int64_t b, int64_t e) {
+  parallel_for(0, panels * tiles, 1, [&](int64_t b, int64_t e) {
     for (int64_t item = b; item < e; ++item) {
       const int64_t p = item / tiles, t0 = (item % tiles) * tile_rows;
       tiles_of[std::min<int64_t>(tile_rows, m - t0)](op, t0, wp + p * panel_bytes,

@@ -27,7 +27,7 @@ void store(const at::Tensor& x, at::Tensor& cache, float* scales, const int64_t*
   const float* xp = x.data_ptr<float>();
   T* cp = cache.data_ptr<T>();
   const float tiny = std::numeric_limits<float>::min();
-  at::parallel_for(0, tokens * heads, 64, [&](int64_t b, int64_t e) {
+  parallel_for(0, tokens * heads, 64, [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) {
       const int64_t t = i / heads, h = i % heads;
       const float* src = xp + t * stride + h * dim;

@@ -34,7 +34,7 @@ void rms_norm_out(const at::Tensor& x, const at::Tensor& weight, double eps, at:
   const float* wp = weight.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t stride = x.stride(0);
-  at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
+  parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r)
       norm_row(xp + r * stride, wp, op + r * n, n, static_cast<float>(eps));
   });
@@ -60,7 +60,7 @@ void add_rms_norm_out(at::Tensor& residual, const at::Tensor& delta, const at::T
   const float* wp = weight.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t dstride = delta.stride(0);
-  at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
+  parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
       float* x = rp + r * n;
       const float* d = dp + r * dstride;
@@ -85,7 +85,7 @@ void silu_and_mul_out(const at::Tensor& gate_up, at::Tensor& out) {
   const float* gp = gate_up.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t stride = gate_up.stride(0);
-  at::parallel_for(0, rows, 4, [&](int64_t b, int64_t e) {
+  parallel_for(0, rows, 4, [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
       const float* g = gp + r * stride;
       const float* u = g + n;
@@ -128,7 +128,7 @@ void rotary_embedding_(at::Tensor& q, at::Tensor& k, const at::Tensor& positions
   float* qp = q.data_ptr<float>();
   float* kp = k.data_ptr<float>();
   const int64_t qh = q.size(1), kh = k.size(1), qs = q.stride(0), ks = k.stride(0);
-  at::parallel_for(0, tokens, 16, [&](int64_t b, int64_t e) {
+  parallel_for(0, tokens, 16, [&](int64_t b, int64_t e) {
     c10::SmallVector<float, 256> tmp(dim);  // on the stack up to head_dim 256
     for (int64_t t = b; t < e; ++t) {
       TORCH_CHECK(pos[t] >= 0 && pos[t] < max_pos, "position out of the rotary table");
@@ -158,7 +158,7 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   const float* xp = x.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
   const int64_t stride = x.stride(0), body = n - n % kLanes;
-  at::parallel_for(0, rows, 1, [&](int64_t b, int64_t e) {
+  parallel_for(0, rows, 1, [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
       const float* row = xp + r * stride;
       // Pass 1: the maximum (exact in any order) and whether a NaN is present.

@@ -8,6 +8,8 @@
 #include <utility>
 #include <vector>
 
+#include "team.h"
+
 namespace llmserve {
 
 // Calls f(T{}) with T the C++ type of a KV cache storage dtype (float32, bfloat16, int8,

@@ -587,10 +587,10 @@ void for_each_item(const Problem& p, int64_t num_seqs, F&& body) {
   int32_t* const pending_base = pending.data();
 
   std::atomic<int64_t> next_item{0};
-  const int64_t workers = std::min<int64_t>(at::get_num_threads(), num_items);
+  const int64_t workers = std::min<int64_t>(num_threads(), num_items);
   const int64_t grab = num_units >= 4 * workers ? p.num_kv_heads : 1;
 
-  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+  parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     const FlushDenormals ftz;
     // Kept by each thread from call to call: grown to the largest item seen, not allocated
     // and freed by every layer of every step.

@@ -139,7 +139,7 @@ at::Tensor race(const at::Tensor& probs, const at::Tensor& keys, float* scores) 
   const int64_t* kp = k.data_ptr<int64_t>();
   const int64_t stride = probs.stride(0), chunks = (vocab + kChunk - 1) / kChunk;
   std::vector<Best> found(rows * chunks);
-  at::parallel_for(0, rows * chunks, 1, [&](int64_t b, int64_t e) {
+  parallel_for(0, rows * chunks, 1, [&](int64_t b, int64_t e) {
     IeeeDenormals ieee;  // tiny probabilities stay denormal, as in the reference
     for (int64_t item = b; item < e; ++item) {
       const int64_t r = item / chunks, c = item % chunks;
