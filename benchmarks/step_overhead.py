@@ -2,10 +2,11 @@
 the same depth (30 layers) whose layers are tiny (hidden 64), so that its kernels take
 next to no time and its step time is the per-step cost of Python, PyTorch
 dispatch, scheduling and sampling. Both in one run, best of --repeats x 50 steps, each
-with the decoder stack as one compiled call (the default, models/fused.py) and module by
-module (LLMSERVE_FUSED_LAYERS=0), alternating. The tiny model keeps the full 49152-token
-output head (the tokenizer's), whose arithmetic is timed apart (best of 200 calls) and
-shown beside the share with it taken out.
+with the decoder stack as one compiled call in one OpenMP region (the default,
+models/fused.py, csrc/team.h), as one call with an OpenMP region per kernel
+(LLMSERVE_STACK_TEAM=0), and module by module (LLMSERVE_FUSED_LAYERS=0), alternating.
+The tiny model keeps the full 49152-token output head (the tokenizer's), whose arithmetic
+is timed apart (best of 200 calls) and shown beside the share with it taken out.
 
     python benchmarks/step_overhead.py [--batch 1] [--quantization int8]
 """
@@ -40,10 +41,15 @@ def tiny_deep_model(path: Path, layers: int) -> Path:
     return path
 
 
+# (fused, team): the stack in one region; one call with a region per kernel; the modules.
+MODES = {"fused": (True, True), "fused, a region per kernel": (True, False),
+         "modules": (False, False)}
+
+
 def step_ms(model: str, quantization: str, batch: int, repeats: int
-            ) -> tuple[dict[bool, float], float]:
-    """Best ms per decode step, fused (True) and module by module (False), and the best ms
-    of the model's output head on ``batch`` rows."""
+            ) -> tuple[dict[str, float], float]:
+    """Best ms per decode step in each of MODES, and the best ms of the model's output head
+    on ``batch`` rows."""
     llm = LLM(model, quantization=quantization, enable_prefix_caching=False)
     engine = llm.engine
     fused = engine.loaded.model.model.fused
@@ -53,14 +59,14 @@ def step_ms(model: str, quantization: str, batch: int, repeats: int
                            SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True))
     for _ in range(5):
         engine.step()
-    best = {True: float("inf"), False: float("inf")}
+    best = dict.fromkeys(MODES, float("inf"))
     for _ in range(repeats):
-        for mode in (True, False):
-            fused.enabled = mode
+        for mode, (on, team) in MODES.items():
+            fused.enabled, fused.team = on, team
             start = time.perf_counter()
             for _ in range(50):
                 engine.step()
-            assert fused.last_step_fused is mode
+            assert fused.last_step_fused is on
             best[mode] = min(best[mode], (time.perf_counter() - start) / 50 * 1e3)
     return best, head_ms(engine.loaded.model, batch)
 
@@ -88,14 +94,15 @@ def main() -> None:
         tiny = tiny_deep_model(Path(tmp) / "tiny30", 30)
         full, _ = step_ms(DEFAULT_MODEL, args.quantization, args.batch, args.repeats)
         bare, head = step_ms(str(tiny), args.quantization, args.batch, args.repeats)
-    for mode, label in ((True, "fused"), (False, "modules")):
-        print(f"batch {args.batch}, {args.quantization}, {label}: SmolLM2-135M "
+    for mode in MODES:
+        print(f"batch {args.batch}, {args.quantization}, {mode}: SmolLM2-135M "
               f"{full[mode]:.2f} ms/step; the same 30 layers at hidden 64 {bare[mode]:.2f} "
               f"ms/step ({bare[mode] / full[mode]:.0%} of the step is not the model's "
               f"arithmetic; {(bare[mode] - head) / full[mode]:.0%} without the tiny model's "
               f"output head, {head:.2f} ms)")
-    print(f"fused step / module step: SmolLM2-135M {full[True] / full[False]:.2f}x, tiny layers "
-          f"{bare[True] / bare[False]:.2f}x")
+    for other in list(MODES)[1:]:
+        print(f"fused step / {other} step: SmolLM2-135M {full['fused'] / full[other]:.2f}x, "
+              f"tiny layers {bare['fused'] / bare[other]:.2f}x")
 
 
 if __name__ == "__main__":

@@ -49,8 +49,9 @@ def _steps(seed: int) -> list[SchedulerOutput]:
     return steps
 
 
-def _logits(model, kv: str, fused: bool) -> list[torch.Tensor]:
+def _logits(model, kv: str, fused: bool, team: bool = True) -> list[torch.Tensor]:
     model.model.model.fused.enabled = fused
+    model.model.model.fused.team = team
     runner = ModelRunner(model.model, model.arch_config, num_blocks=64, block_size=BS,
                          kv_cache_dtype=kv)
     out = [runner.forward_logits(step) for step in _steps(0)]
@@ -71,6 +72,24 @@ def test_fused_stack_equals_modules_bitwise(tiny_model_dir, name, quantization, 
     modules = _logits(model, kv, False)
     for i, (f, m) in enumerate(zip(fused, modules, strict=True)):
         assert torch.equal(f, m), f"step {i}: fused logits differ by {(f - m).abs().max()}"
+
+
+@pytest.mark.parametrize(("quantization", "dtype", "kv"), [FORMATS[0], FORMATS[4]], ids=str)
+def test_one_region_a_step_gives_the_bits_of_one_a_kernel(tiny_model_dir, quantization, dtype,
+                                                           kv):
+    """The stack's kernels split over its team (csrc/team.h) as over at::parallel_for's
+    regions: the same logits, on two threads."""
+    path, _ = tiny_model_dir("qwen2")  # its biases are added through the team too
+    model = load_model(str(path), quantization=quantization, dtype=dtype)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        team = _logits(model, kv, True, team=True)
+        regions = _logits(model, kv, True, team=False)
+    finally:
+        torch.set_num_threads(threads)
+    for i, (a, b) in enumerate(zip(team, regions, strict=True)):
+        assert torch.equal(a, b), f"step {i}: logits differ by {(a - b).abs().max()}"
 
 
 def test_other_backends_and_models_keep_the_module_path(tiny_model_dir):

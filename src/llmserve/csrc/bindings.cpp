@@ -100,7 +100,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "every layer on a step's hidden states: (last output, residual stream)",
            py::call_guard<py::gil_scoped_release>(),
            py::arg("hidden"), py::arg("positions"), py::arg("slots"), py::arg("block_tables"),
-           py::arg("query_start"));
+           py::arg("query_start"))
+      .def_readwrite("team", &DecoderStack::team,
+                     "one OpenMP region for the whole stack (csrc/team.h), or one a kernel");
   m.def(
       "make_decoder_stack",
       [](std::vector<std::shared_ptr<DecoderLayerPlan>> layers, std::vector<at::Tensor> keys,

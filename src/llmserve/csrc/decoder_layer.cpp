@@ -155,13 +155,17 @@ std::pair<at::Tensor, at::Tensor> DecoderStack::run(at::Tensor hidden, const at:
   Workspace w;
   // One OpenMP region for the whole stack, its kernels' parallel loops run by the region's
   // team (team.h), not one region a kernel.
-  run_as_team([&] {
+  const auto all_layers = [&] {
     for (size_t i = 0; i < layers.size(); ++i) {
       w.fit(*layers[i], res.size(0), res.options());
       decoder_layer(*layers[i], w, res, i == 0 ? nullptr : &out, out, positions, caches[i],
                     slots, block_tables, query_start);
     }
-  });
+  };
+  if (team)
+    run_as_team(all_layers);
+  else
+    all_layers();
   return {out, res};
 }
 

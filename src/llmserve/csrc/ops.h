@@ -124,6 +124,7 @@ struct KVCacheRef {
 struct DecoderStack {
   std::vector<std::shared_ptr<DecoderLayerPlan>> layers;
   std::vector<KVCacheRef> caches;  // one per layer
+  bool team = true;  // one OpenMP region for the stack (team.h); false: one a kernel
   // (the last layer's output, the residual stream): the model's final norm adds them.
   std::pair<at::Tensor, at::Tensor> run(at::Tensor hidden, const at::Tensor& positions,
                                         const at::Tensor& slots, const at::Tensor& block_tables,

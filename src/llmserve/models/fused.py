@@ -32,6 +32,7 @@ class FusedDecoder:
 
     def __init__(self, layers: list[LlamaDecoderLayer]) -> None:
         self.enabled = envs.LLMSERVE_FUSED_LAYERS
+        self._team = envs.LLMSERVE_STACK_TEAM  # one OpenMP region a step (csrc/team.h)
         self._layers = layers
         self._plans: list[Any] | None = None  # built on first use: weights are packed by then
         # A stack per runner (a model may serve two: as its own draft), keyed by the id of
@@ -61,6 +62,17 @@ class FusedDecoder:
         return stack.run(hidden, positions, metadata.slot_mapping, metadata.block_tables,
                          metadata.query_start)
 
+    @property
+    def team(self) -> bool:
+        return self._team
+
+    @team.setter
+    def team(self, on: bool) -> None:
+        """One OpenMP region for the whole stack (True), or one a kernel (for A/B runs)."""
+        self._team = on
+        for _, stack in self._stacks.values():
+            stack.team = on
+
     def _stack_for(self, caches: list) -> Any:
         entry = self._stacks.get(id(caches[0])) if caches else None
         if entry is not None:
@@ -80,6 +92,7 @@ class FusedDecoder:
             self._plans, [c.key for c in caches], [c.value for c in caches],
             [c.key_scale for c in caches], [c.value_scale for c in caches],
             float(max_codes.pop() or 0.0))
+        stack.team = self._team
         key = id(caches[0])
         self._stacks[key] = ([weakref.ref(c) for c in caches], stack)
         weakref.finalize(caches[0], self._stacks.pop, key, None)
