@@ -49,3 +49,12 @@ def test_an_error_in_a_share_reaches_the_caller(fail_at):
     # No thread was left waiting: the next team forms and computes every item.
     shares = cpu_ops().parallel_shares(40, 16, 3, True)
     assert (shares[..., 1] >= 0).all()
+
+
+@pytest.mark.parametrize("slow_item", [0, 1], ids=["leader slow", "other thread slow"])
+def test_threads_that_wait_long_sleep_and_are_woken(slow_item):
+    """A share of 2 ms: the thread waiting on it (the leader for the other thread's share, the
+    other thread for the leader's next loop) outlasts its spin and sleeps on the futex; each
+    of 20 loops still runs both shares."""
+    shares = cpu_ops().parallel_shares(2, 1, 20, True, slow_item=slow_item)
+    assert torch.equal(shares[:, :, 1], torch.tensor([[0, 1]]).expand(20, 2))

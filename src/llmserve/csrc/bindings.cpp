@@ -1,5 +1,8 @@
 #include <torch/extension.h>
 
+#include <chrono>
+#include <thread>
+
 #include "ops.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -47,10 +50,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_embedding_", &rotary_embedding_, "rotate-half rotary embedding, in place");
   m.def(
       "parallel_shares",
-      [](int64_t n, int64_t grain, int64_t rounds, bool team, int64_t fail_at) {
+      [](int64_t n, int64_t grain, int64_t rounds, bool team, int64_t fail_at,
+         int64_t slow_item) {
         // For the tests of team.h: `rounds` parallel loops over n items, in one team or each
         // through at::parallel_for; per round and item, the first item of the share that
-        // computed it and the OpenMP thread that did. Item fail_at throws.
+        // computed it and the OpenMP thread that did. Item fail_at throws; item slow_item
+        // takes 2 ms (long enough for the other threads' waits to sleep).
         at::Tensor out = at::full({rounds, n, 2}, -1, at::kLong);
         int64_t* o = out.data_ptr<int64_t>();
         const auto loops = [&] {
@@ -58,6 +63,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             parallel_for(0, n, grain, [&](int64_t b, int64_t e) {
               for (int64_t i = b; i < e; ++i) {
                 TORCH_CHECK(i != fail_at, "item ", i, " failed");
+                if (i == slow_item) std::this_thread::sleep_for(std::chrono::milliseconds(2));
                 o[(r * n + i) * 2] = b;
                 o[(r * n + i) * 2 + 1] = omp_get_thread_num();
               }
@@ -71,7 +77,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       "for the tests: how parallel loops split n items, in a team or not",
       py::call_guard<py::gil_scoped_release>(), py::arg("n"), py::arg("grain"),
-      py::arg("rounds"), py::arg("team"), py::arg("fail_at") = -1);
+      py::arg("rounds"), py::arg("team"), py::arg("fail_at") = -1, py::arg("slow_item") = -1);
 
   // Fused decoder layers (decoder_layer.cpp, built by models/fused.py).
   py::class_<LinearPlan, std::shared_ptr<LinearPlan>>(m, "LinearPlan");

@@ -8,7 +8,9 @@
 // 30-layer model, ~0.1 ms of a step whose arithmetic the regions wrap is a few microseconds
 // a kernel. `run_as_team` opens one region for the stack instead: its first thread runs the
 // layers, the others wait for work on a shared counter, and `parallel_for` hands them their
-// share and waits for it: an atomic store and a spin, no system call.
+// share and waits for it: an atomic add and a spin, no system call while the wait is short
+// (a thread that waits longer sleeps on a futex, and only then does its waker call the
+// kernel).
 //
 // `parallel_for` splits a range exactly as at::parallel_for does (the same chunks to the same
 // thread numbers, the same grain rule), so a kernel computes the same items together either
@@ -19,11 +21,14 @@
 #pragma once
 
 #include <ATen/Parallel.h>
+#include <linux/futex.h>
 #include <omp.h>
-#include <sched.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <exception>
 
@@ -41,18 +46,55 @@ inline void relax() {
 #endif
 }
 
-// Spins until done(); after a while also gives the core away between checks, so that a
-// thread waiting on a descheduled one (more threads than free cores) does not hold it up.
-template <class Done>
-inline void wait_until(const Done& done) {
-  constexpr int kSpins = 1 << 14;
-  for (int i = 0; !done(); ++i) {
-    if (i < kSpins)
+// A word threads wait on: spun on for up to kSpin, then slept on (a futex), as libgomp's own
+// waits do, so that a thread waiting on one the kernel has descheduled (more runnable threads
+// than cores: the API server, a client, the engine's I/O thread) gives its core away instead
+// of holding it. A writer makes the system call only when a waiter sleeps.
+class Signal {
+ public:
+  uint32_t load() const { return word_.load(std::memory_order_acquire); }
+
+  // Waits until ready(value) holds; returns that value.
+  template <class Ready>
+  uint32_t wait(const Ready& ready) {
+    const auto start = std::chrono::steady_clock::now();
+    for (int i = 1;; ++i) {
+      const uint32_t v = word_.load(std::memory_order_acquire);
+      if (ready(v)) return v;
       relax();
-    else
-      sched_yield();
+      if (i % 256 == 0 && std::chrono::steady_clock::now() - start > kSpin) break;
+    }
+    // Dekker's handshake with notify(): the sleeper counts itself before it reads the word
+    // again, the writer changes the word before it reads the count (both sequentially
+    // consistent), so one of them sees the other's write; the futex sleeps only while the
+    // word still holds the value read.
+    sleepers_.fetch_add(1, std::memory_order_seq_cst);
+    uint32_t v;
+    while (!ready(v = word_.load(std::memory_order_seq_cst)))
+      syscall(SYS_futex, reinterpret_cast<uint32_t*>(&word_), FUTEX_WAIT_PRIVATE, v, nullptr,
+              nullptr, 0);
+    sleepers_.fetch_sub(1, std::memory_order_relaxed);
+    return v;
   }
-}
+
+  // word += delta; wakes the sleepers. Returns the value before.
+  uint32_t add(int32_t delta) {
+    const uint32_t before = word_.fetch_add(static_cast<uint32_t>(delta),
+                                            std::memory_order_seq_cst);
+    if (sleepers_.load(std::memory_order_seq_cst) != 0)
+      syscall(SYS_futex, reinterpret_cast<uint32_t*>(&word_), FUTEX_WAKE_PRIVATE, INT32_MAX,
+              nullptr, nullptr, 0);
+    return before;
+  }
+
+  void store(uint32_t v) { word_.store(v, std::memory_order_relaxed); }
+
+ private:
+  static constexpr std::chrono::microseconds kSpin{200};
+  alignas(64) std::atomic<uint32_t> word_{0};
+  std::atomic<uint32_t> sleepers_{0};
+};
+static_assert(sizeof(std::atomic<uint32_t>) == sizeof(uint32_t), "a futex word");
 
 inline int64_t divup(int64_t a, int64_t b) { return (a + b - 1) / b; }
 }  // namespace team_detail
@@ -75,11 +117,11 @@ class Team {
     task_ = Task{&call<F>, &f, begin, end, team_detail::divup(n, threads)};
     error_ = nullptr;
     failed_.clear(std::memory_order_relaxed);
-    pending_.store(size_ - 1, std::memory_order_relaxed);
+    pending_.store(static_cast<uint32_t>(size_ - 1));
     busy_ = true;
-    epoch_.fetch_add(1, std::memory_order_release);  // publishes task_ to the others
+    epoch_.add(1);  // publishes task_ (and pending_) to the others
     run_share(0);
-    team_detail::wait_until([&] { return pending_.load(std::memory_order_acquire) == 0; });
+    pending_.wait([](uint32_t left) { return left == 0; });
     busy_ = false;
     if (error_) std::rethrow_exception(error_);
   }
@@ -114,19 +156,18 @@ class Team {
 
   // A thread other than the leader: each new epoch is a share to run, or the end.
   void serve(int64_t tid) {
-    uint64_t seen = 0;
+    uint32_t seen = 0;
     for (;;) {
-      team_detail::wait_until([&] { return epoch_.load(std::memory_order_acquire) != seen; });
-      seen = epoch_.load(std::memory_order_acquire);
+      seen = epoch_.wait([seen](uint32_t epoch) { return epoch != seen; });
       if (done_) return;
       run_share(tid);
-      pending_.fetch_sub(1, std::memory_order_release);
+      pending_.add(-1);
     }
   }
 
   void dismiss() {
     done_ = true;
-    epoch_.fetch_add(1, std::memory_order_release);
+    epoch_.add(1);
   }
 
   int64_t size_ = 1;
@@ -135,8 +176,8 @@ class Team {
   Task task_{};
   std::exception_ptr error_;
   std::atomic_flag failed_ = ATOMIC_FLAG_INIT;
-  alignas(64) std::atomic<uint64_t> epoch_{0};
-  alignas(64) std::atomic<int64_t> pending_{0};
+  team_detail::Signal epoch_;    // a new task (or the end) each time it moves
+  team_detail::Signal pending_;  // the others' shares still running
 };
 
 template <class Body>
