@@ -48,7 +48,7 @@ LLMSERVE_CPU_ISA: str = os.environ.get("LLMSERVE_CPU_ISA", "native")
 # of as one call into the compiled kernels per step (models/fused.py); the output is the same.
 LLMSERVE_FUSED_LAYERS: bool = os.environ.get("LLMSERVE_FUSED_LAYERS", "1") != "0"
 # "0" opens an OpenMP region per kernel of the fused stack, as the modules do, instead of one
-# for the whole stack of a step of up to 16 tokens (csrc/team.h).
+# for the whole stack (csrc/team.h).
 LLMSERVE_STACK_TEAM: bool = os.environ.get("LLMSERVE_STACK_TEAM", "1") != "0"
 # "0" leaves glibc's malloc thresholds alone (see llmserve/host_memory.py): freed host
 # memory is then returned to the system and each CPU step faults its tensors in again.

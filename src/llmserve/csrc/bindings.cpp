@@ -108,8 +108,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("hidden"), py::arg("positions"), py::arg("slots"), py::arg("block_tables"),
            py::arg("query_start"))
       .def_readwrite("team", &DecoderStack::team,
-                     "one OpenMP region for the whole stack of a step of up to 16 tokens "
-                     "(csrc/team.h), or one a kernel");
+                     "one OpenMP region for the whole stack (csrc/team.h), or one a kernel");
   m.def(
       "make_decoder_stack",
       [](std::vector<std::shared_ptr<DecoderLayerPlan>> layers, std::vector<at::Tensor> keys,

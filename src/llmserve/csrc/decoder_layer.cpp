@@ -153,8 +153,8 @@ std::pair<at::Tensor, at::Tensor> DecoderStack::run(at::Tensor hidden, const at:
   // next layer adds to the stream before its own projections overwrite it.
   at::Tensor res = std::move(hidden), out = at::empty_like(res);
   Workspace w;
-  // A small step: one OpenMP region for the whole stack, its kernels' parallel loops run by
-  // the region's team (team.h), not one region a kernel.
+  // One OpenMP region for the whole stack, its kernels' parallel loops run by the region's
+  // team (team.h), not one region a kernel.
   const auto all_layers = [&] {
     for (size_t i = 0; i < layers.size(); ++i) {
       w.fit(*layers[i], res.size(0), res.options());
@@ -162,7 +162,7 @@ std::pair<at::Tensor, at::Tensor> DecoderStack::run(at::Tensor hidden, const at:
                     slots, block_tables, query_start);
     }
   };
-  if (team && res.size(0) <= kTeamMaxTokens)
+  if (team)
     run_as_team(all_layers);
   else
     all_layers();

@@ -114,11 +114,6 @@ struct DecoderLayerPlan {
   int64_t window = 0;  // 0: every key of the context
 };
 
-// The largest step (tokens) whose stack runs in one OpenMP region (team.h). Larger steps open a
-// region per kernel: their regions are under 1% of the step, and at 64 streams through the
-// server the one region was not faster (BENCHMARKS.md, session 40).
-constexpr int64_t kTeamMaxTokens = 16;
-
 // A model's decoder layers with their KV caches bound: a step's whole stack in one call.
 struct KVCacheRef {
   at::Tensor key, value;
@@ -129,7 +124,7 @@ struct KVCacheRef {
 struct DecoderStack {
   std::vector<std::shared_ptr<DecoderLayerPlan>> layers;
   std::vector<KVCacheRef> caches;  // one per layer
-  bool team = true;  // one OpenMP region for steps of up to kTeamMaxTokens (team.h)
+  bool team = true;  // one OpenMP region a step (team.h); false: one a kernel
   // (the last layer's output, the residual stream): the model's final norm adds them.
   std::pair<at::Tensor, at::Tensor> run(at::Tensor hidden, const at::Tensor& positions,
                                         const at::Tensor& slots, const at::Tensor& block_tables,

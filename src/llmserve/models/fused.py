@@ -32,7 +32,7 @@ class FusedDecoder:
 
     def __init__(self, layers: list[LlamaDecoderLayer]) -> None:
         self.enabled = envs.LLMSERVE_FUSED_LAYERS
-        self._team = envs.LLMSERVE_STACK_TEAM  # one OpenMP region a small step (team.h)
+        self._team = envs.LLMSERVE_STACK_TEAM  # one OpenMP region a step (csrc/team.h)
         self._layers = layers
         self._plans: list[Any] | None = None  # built on first use: weights are packed by then
         # A stack per runner (a model may serve two: as its own draft), keyed by the id of
@@ -68,8 +68,7 @@ class FusedDecoder:
 
     @team.setter
     def team(self, on: bool) -> None:
-        """One OpenMP region for the stack of a small step (True), or one a kernel (for A/B
-        runs)."""
+        """One OpenMP region for the whole stack (True), or one a kernel (for A/B runs)."""
         self._team = on
         for _, stack in self._stacks.values():
             stack.team = on
