@@ -8,6 +8,7 @@ then `--steps` decode steps timed; output tokens/s of each engine, the median of
 
     .venv/bin/python benchmarks/kv_dtype_ab.py [--quantization auto] [--other float32]
     .venv/bin/python benchmarks/kv_dtype_ab.py --other auto --other-quantization w8a8
+    .venv/bin/python benchmarks/kv_dtype_ab.py --other auto --other-block-size 16
 """
 
 from __future__ import annotations
@@ -50,6 +51,10 @@ def main() -> None:
     p.add_argument("--other", default="float32", help="the KV cache dtype to compare with")
     p.add_argument("--other-quantization", default=None,
                    help="the other engine's weight format (default: --quantization)")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="tokens per KV block (default: the device's, config.default_block_size)")
+    p.add_argument("--other-block-size", type=int, default=None,
+                   help="the other engine's (default: --block-size)")
     p.add_argument("--points", default="1x256,1x2048,1x4096,8x512,64x128,64x384,64x1024",
                    help="batch x context pairs")
     p.add_argument("--steps", type=int, default=24)
@@ -57,12 +62,15 @@ def main() -> None:
     args = p.parse_args()
     engines = {}
     other_q = args.other_quantization or args.quantization
-    for quantization, kv in ((args.quantization, "auto"), (other_q, args.other)):
+    other_bs = args.other_block_size or args.block_size
+    for quantization, kv, bs in ((args.quantization, "auto", args.block_size),
+                                 (other_q, args.other, other_bs)):
         llm = LLM(args.model, quantization=quantization, kv_cache_dtype=kv, max_model_len=8192,
                   max_num_seqs=64, max_num_batched_tokens=4096, kv_cache_memory=2.0,
-                  enable_prefix_caching=False)
+                  enable_prefix_caching=False, block_size=bs)
         weights = llm.engine.loaded.weight_format.quantization
-        engines[f"{weights}, KV {kv} ({llm.engine.card.kv_cache_dtype})"] = llm
+        card = llm.engine.card
+        engines[f"{weights}, KV {kv} ({card.kv_cache_dtype}), blocks of {card.kv_block_size}"] = llm
     names = list(engines)
     print(f"| batch x context | {names[0]} tok/s | {names[1]} tok/s | ratio (per repeat) |")
     print("|---|---|---|---|")

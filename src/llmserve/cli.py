@@ -157,7 +157,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory", type=float, default=None, metavar="GIB",
                    help="memory for the KV cache in GiB (default: on CPU a tenth of "
                         "available RAM, 0.25 to 2 GiB; on CUDA half the free device memory)")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="tokens per KV block (default: 32 on CPU, 16 on CUDA)")
     p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     p.add_argument("--disable-hybrid-kv-cache", action="store_true",
                    help="keep every layer's whole context, sliding-window layers too (one "

@@ -211,7 +211,9 @@ def test_cached_tokens_count_prefix_cache_hits(client, tiny_server, smol_tokeniz
     assert cold.usage.prompt_tokens_details.cached_tokens == 0
     warm = client.completions.create(**kw)
     cached = warm.usage.prompt_tokens_details.cached_tokens
-    assert 0 < cached < n and cached == (n - 1) // 16 * 16  # the full blocks but the last
+    block = httpx.get(f"{tiny_server.url}/console/api/info", headers=AUTH).json()["kv_block_size"]
+    assert block == 32  # the CPU's default (config.default_block_size)
+    assert 0 < cached < n and cached == (n - 1) // block * block  # full blocks but the last
     chunks = _stream(client, **kw)
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens == cached
     two = client.completions.create(**{**kw, "prompt": [prompt, prompt]})

@@ -47,7 +47,8 @@ def test_n_sequences_share_the_prompt_prefill(llm):
     params = SamplingParams(n=4, temperature=1.0, seed=5, max_tokens=8, ignore_eos=True)
     out = llm.generate([prompt], params)[0]
     assert [c.index for c in out.outputs] == [0, 1, 2, 3]
-    # Siblings reuse every full block of the prompt: 6 blocks of 16 = 96 tokens each.
+    # Siblings reuse every full block of the prompt: 3 blocks of 32 = 96 tokens each.
+    assert kv.block_size == 32
     assert kv.prefix_hits - hits_before == 3 * 96
     # Sequence i is the request with seed 5 + i: seeds differ, so do the sequences.
     for i, c in enumerate(out.outputs):
@@ -68,7 +69,9 @@ def test_n_sequences_share_blocks_without_prefix_caching(tiny_model_dir):
     kv = llm.engine.kv_manager
     assert kv.prefix_hits == 0
     llm.generate([prompt], SamplingParams(n=2, max_tokens=2, temperature=0))
-    assert kv.prefix_hits == 48  # only the sibling shared (3 of 4 blocks; 1 token recomputed)
+    # Only the sibling shared: 1 of the prompt's 2 blocks of 32 (the last one holds the token
+    # that is computed again to give the sibling its logits).
+    assert kv.prefix_hits == 32
 
 
 def test_logprobs_and_prompt_logprobs_match_the_model(llm):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from llmserve.attention.backend import _auto_backend
-from llmserve.config import default_dtype
+from llmserve.config import CacheConfig, EngineConfig, ModelConfig, default_dtype
 from llmserve.errors import ModelLoadError
 from llmserve.models.loader import load_model
 from llmserve.runner.cuda_graphs import batch_buckets
@@ -25,6 +25,16 @@ def test_graph_buckets_cover_every_batch_up_to_the_largest():
 def test_dense_dtype_defaults_to_bfloat16_on_cuda():
     assert default_dtype("cuda") == default_dtype("cuda:1") == "bfloat16"
     assert default_dtype("cpu") == "float32"
+
+
+def test_kv_blocks_default_to_32_tokens_on_cpu_and_16_on_cuda():
+    assert EngineConfig().cache.block_size == 32
+    on_cuda = EngineConfig(model=ModelConfig(device="cuda:1"))
+    assert on_cuda.cache.block_size == 16
+    asked = EngineConfig(model=ModelConfig(device="cuda"), cache=CacheConfig(block_size=64))
+    assert asked.cache.block_size == 64
+    with pytest.raises(ValueError, match="power of two"):
+        CacheConfig(block_size=24)
 
 
 def test_cuda_picks_the_triton_backend():

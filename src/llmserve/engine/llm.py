@@ -27,7 +27,7 @@ class LLM:
     """Generates for many prompts at once through the continuous-batching engine."""
 
     def __init__(self, model: str = DEFAULT_MODEL, *, device: str = "cpu",
-                 max_model_len: int | None = None, block_size: int = 16,
+                 max_model_len: int | None = None, block_size: int | None = None,
                  kv_cache_memory: float | None = None, num_kv_blocks: int | None = None,
                  enable_prefix_caching: bool = True, max_num_batched_tokens: int = 2048,
                  max_num_seqs: int = 64, scheduling: str = "continuous",

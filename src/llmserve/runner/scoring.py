@@ -11,15 +11,18 @@ from torch import nn
 
 from llmserve.attention import AttentionContext, get_attention_backend
 from llmserve.attention.backend import BatchLayout
+from llmserve.config import default_block_size
 
 
 @torch.inference_mode()
-def sequence_logits(model: nn.Module, token_ids: list[int], *, block_size: int = 16,
+def sequence_logits(model: nn.Module, token_ids: list[int], *, block_size: int | None = None,
                     backend: str = "auto", kv_cache_dtype: str = "float32"
                     ) -> torch.Tensor:
-    """Returns float32 logits ``[len(token_ids), vocab]`` (row i predicts token i + 1)."""
+    """Returns float32 logits ``[len(token_ids), vocab]`` (row i predicts token i + 1), with
+    KV blocks of ``block_size`` tokens (default: the device's, as the server uses)."""
     cfg = model.config
     device = next(model.parameters()).device
+    block_size = block_size or default_block_size(device.type)
     n = len(token_ids)
     num_blocks = -(-n // block_size)
     attn = get_attention_backend(backend, device, block_size)
