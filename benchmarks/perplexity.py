@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from llmserve.config import default_block_size
 from llmserve.models.loader import DEFAULT_MODEL, load_model
 from llmserve.runner.scoring import perplexity
 
@@ -40,6 +41,8 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=1024)
     parser.add_argument("--formats", default=None,
                         help="comma-separated labels to run (float32, the reference, always runs)")
+    parser.add_argument("--block-size", type=int, default=None,
+                        help="tokens per KV block (default: the device's, as served)")
     args = parser.parse_args()
     wanted = None if args.formats is None else {"float32", *args.formats.split(",")}
     ref = None
@@ -49,13 +52,15 @@ def main() -> None:
             continue
         loaded = load_model(args.model, **options)
         ids = loaded.tokenizer.encode(TEXT.read_text())
-        ppl = perplexity(loaded.model, ids, window=args.window, kv_cache_dtype=kv)
+        ppl = perplexity(loaded.model, ids, window=args.window, kv_cache_dtype=kv,
+                         block_size=args.block_size)
         ref = ref or ppl
         goal = "" if allowed is None else f"<= +{allowed:.0%}"
         ok = "" if allowed is None else (" ok" if ppl / ref - 1 <= allowed else " MISSED")
         print(f"| {label} | {kv} | {ppl:.3f} | {ppl / ref - 1:+.2%} | {goal}{ok} |",
               flush=True)
-    print(f"\n{len(ids)} tokens of {TEXT.name}, windows of {args.window}")
+    blocks = args.block_size or default_block_size("cpu")
+    print(f"\n{len(ids)} tokens of {TEXT.name}, windows of {args.window}, KV blocks of {blocks}")
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ def sequence_logits(model: nn.Module, token_ids: list[int], *, block_size: int |
 
 
 def perplexity(model: nn.Module, token_ids: list[int], *, window: int = 1024,
-               kv_cache_dtype: str = "float32") -> float:
+               kv_cache_dtype: str = "float32", block_size: int | None = None) -> float:
     """exp(mean negative log-likelihood) of ``token_ids``, scored in consecutive windows of
     ``window`` tokens (each window starts a fresh context; its first token is not scored)."""
     nll, count = 0.0, 0
@@ -48,7 +48,8 @@ def perplexity(model: nn.Module, token_ids: list[int], *, window: int = 1024,
         chunk = token_ids[start:start + window]
         if len(chunk) < 2:
             break
-        logprobs = sequence_logits(model, chunk, kv_cache_dtype=kv_cache_dtype)[:-1]
+        logprobs = sequence_logits(model, chunk, kv_cache_dtype=kv_cache_dtype,
+                                   block_size=block_size)[:-1]
         logprobs = logprobs.log_softmax(dim=-1)
         targets = torch.tensor(chunk[1:], device=logprobs.device)
         nll -= logprobs.gather(1, targets.unsqueeze(1)).sum().item()
