@@ -18,7 +18,14 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from llmserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig
+from llmserve.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    ServerConfig,
+    default_block_size,
+)
 from tests.e2e.conftest import free_port, start_server
 
 ray = pytest.importorskip("ray")
@@ -345,7 +352,8 @@ def test_prefix_aware_routing_doubles_the_prefix_cache_hit_rate(cluster, tiny_pa
     for router in ("round-robin", "prefix-aware"):
         app = f"tenants-{router}"
         url = _deploy(cluster, tiny_path, RayServeConfig(replicas=2, router=router,
-                                                         app_name=app), num_blocks=150)
+                                                         app_name=app),
+                      num_blocks=2400 // default_block_size("cpu"))  # 2,400 tokens
         try:
             _wait_reports(lambda app=app: len(_reports(app)) == 2)
             rates[router] = _multi_tenant_hit_rate(url, tiny_path)

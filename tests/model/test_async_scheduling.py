@@ -15,7 +15,7 @@ import random
 import pytest
 
 from llmserve import LLM, SamplingParams
-from llmserve.config import EngineConfig, SchedulerConfig, SpeculativeConfig
+from llmserve.config import EngineConfig, SchedulerConfig, SpeculativeConfig, default_block_size
 
 
 def _llm(path: str, asynchronous: bool, **kw) -> LLM:
@@ -96,7 +96,8 @@ def test_async_scheduling_under_preemption_and_prefix_caching(tiny_model_dir):
     params = [SamplingParams(temperature=0, max_tokens=rng.randint(8, 48), ignore_eos=True)
               for _ in prompts]
     reference = _run(_llm(path, False, num_kv_blocks=1024), prompts, params)
-    small = _llm(path, True, num_kv_blocks=40, max_num_batched_tokens=128, max_num_seqs=16)
+    small = _llm(path, True, num_kv_blocks=640 // default_block_size("cpu"),  # 640 tokens
+                 max_num_batched_tokens=128, max_num_seqs=16)
     assert _run(small, prompts, params) == reference
     stats = small.engine.stats()
     assert stats.num_preemptions > 0 and small.engine.steps_ahead > 0
@@ -125,7 +126,8 @@ def test_async_scheduling_with_families_priorities_stop_strings_and_eos(tiny_mod
 
     def run(asynchronous: bool) -> list:
         llm = LLM(path, max_model_len=256, seed=3, async_scheduling=asynchronous,
-                  num_kv_blocks=20, max_num_seqs=6, max_num_batched_tokens=64,
+                  num_kv_blocks=320 // default_block_size("cpu"), max_num_seqs=6,
+                  max_num_batched_tokens=64,
                   policy="priority")
         outs = llm.generate(prompts, params, priority=priority)
         llm.engine.kv_manager.check_integrity()

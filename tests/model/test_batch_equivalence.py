@@ -15,6 +15,7 @@ import random
 import pytest
 
 from llmserve import LLM, SamplingParams
+from llmserve.config import default_block_size
 from llmserve.models.loader import DEFAULT_MODEL
 
 
@@ -53,7 +54,8 @@ def _check_equivalence(model: str, max_out: int, block_layers: int = 1, **fmt):
     assert got == reference
     assert stats.num_preemptions == 0
 
-    got, stats = _batched(model, prompts, params, num_kv_blocks=128,
+    small_pool = 2048 // default_block_size("cpu")  # 2,048 tokens
+    got, stats = _batched(model, prompts, params, num_kv_blocks=small_pool,
                           max_num_batched_tokens=128, max_num_seqs=32, **fmt)
     assert stats.num_preemptions > 0, "the small pool was meant to force preemption"
     assert got == reference

@@ -12,7 +12,7 @@ import torch
 from llmserve import LLM, SamplingParams
 from llmserve.kv_cache import blocks_per_sequence
 
-BS = 16
+BS = 16  # two blocks to the tiny model's window of 32 (not the CPU's default of 32)
 
 
 def _prompt(n: int, seed: int) -> list[int]:
@@ -28,7 +28,7 @@ def test_sliding_layers_hold_their_window_and_the_output_is_transformers(tiny_mo
     with torch.no_grad():
         ref = hf.generate(torch.tensor([prompt]), max_new_tokens=80, do_sample=False,
                           min_new_tokens=80, pad_token_id=2)[0, len(prompt):].tolist()
-    llm = LLM(str(path), num_kv_blocks=128, max_num_batched_tokens=48)
+    llm = LLM(str(path), num_kv_blocks=128, max_num_batched_tokens=48, block_size=BS)
     engine = llm.engine
     groups = engine.kv_spec.groups
     assert len(groups) == 6 and sum(g.window is None for g in groups) == 1
@@ -60,10 +60,10 @@ def test_a_cached_prefix_longer_than_the_window_gives_the_same_tokens(tiny_model
     system = _prompt(120, seed=7)
     prompts = [system + _prompt(n, seed=20 + n) for n in (1, 5, 17, 40)]
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    alone = LLM(str(path), num_kv_blocks=128, enable_prefix_caching=False)
+    alone = LLM(str(path), num_kv_blocks=128, enable_prefix_caching=False, block_size=BS)
     reference = [alone.generate([p], params)[0].outputs[0].token_ids for p in prompts]
 
-    llm = LLM(str(path), num_kv_blocks=128, max_num_batched_tokens=64)
+    llm = LLM(str(path), num_kv_blocks=128, max_num_batched_tokens=64, block_size=BS)
     first = llm.generate([prompts[0]], params)[0].outputs[0].token_ids
     rest = [o.outputs[0].token_ids for o in llm.generate(prompts[1:], params)]
     assert [first, *rest] == reference

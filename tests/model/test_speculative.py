@@ -13,6 +13,7 @@ import torch
 
 from llmserve import LLM, SamplingParams
 from llmserve.attention.kv_format import kv_bytes_per_vector
+from llmserve.config import default_block_size
 from llmserve.errors import ModelLoadError
 from llmserve.spec_decode import StepCost
 from llmserve.spec_decode.draft import DraftProposer
@@ -275,9 +276,10 @@ def test_the_draft_reads_its_history_from_the_target_cache(tiny_model_dir):
 
 
 def test_a_copying_draft_makes_room_by_dropping_idle_copies(tiny_model_dir):
-    """A draft cache of 12 blocks for 8 requests of up to 90 tokens (6 blocks each): the
+    """A draft cache of 192 tokens for 8 requests of up to 90 tokens (two at a time): the
     copies of requests not proposed for are dropped to make room, and copied again when
     needed; the target as its own draft still has every draft accepted."""
+    blocks = 192 // default_block_size("cpu")
     path, _ = tiny_model_dir("llama-gqa")
     config = {"method": "draft", "model": str(path), "num_speculative_tokens": 4}
     evictions = []
@@ -290,13 +292,13 @@ def test_a_copying_draft_makes_room_by_dropping_idle_copies(tiny_model_dir):
 
     DraftProposer._evict = counted
     try:
-        llm, stats = _drafted_equals_plain(path, config, max_tokens=30, draft_blocks=12)
+        llm, stats = _drafted_equals_plain(path, config, max_tokens=30, draft_blocks=blocks)
     finally:
         DraftProposer._evict = evict
     assert any(evictions)
     assert stats.spec_accepted_tokens == stats.spec_draft_tokens > 0
     proposer = llm.engine.speculator.proposer
-    assert not proposer._seqs and len(proposer._free) == proposer.num_blocks == 12
+    assert not proposer._seqs and len(proposer._free) == proposer.num_blocks == blocks
 
 
 def test_a_draft_reading_the_target_cache_takes_its_format_in_its_own_memory(tiny_model_dir):
@@ -313,8 +315,10 @@ def test_a_draft_reading_the_target_cache_takes_its_format_in_its_own_memory(tin
     assert proposer.num_blocks == 128 * kv_bytes_per_vector("int8", head_dim) \
         // kv_bytes_per_vector("float32", head_dim)
     # Never fewer than one request of the longest context (and its drafts) needs.
-    llm = LLM(str(path), max_model_len=512, num_kv_blocks=64, speculative_config=config)
-    assert llm.engine.speculator.proposer.num_blocks == -(-(512 + 2) // 16)
+    block = default_block_size("cpu")
+    llm = LLM(str(path), max_model_len=512, num_kv_blocks=1024 // block,
+              speculative_config=config)
+    assert llm.engine.speculator.proposer.num_blocks == -(-(512 + 2) // block)
 
 
 def test_draft_kv_from_target_says_why_it_cannot(tiny_model_dir):

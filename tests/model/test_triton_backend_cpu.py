@@ -20,6 +20,7 @@ pytest.importorskip("triton")
 
 from llmserve import LLM, SamplingParams  # noqa: E402
 from llmserve.attention import backend as attention_backend  # noqa: E402
+from llmserve.config import default_block_size  # noqa: E402
 from llmserve.models.loader import load_model  # noqa: E402
 from llmserve.runner.scoring import sequence_logits  # noqa: E402
 from tests.model.test_batch_equivalence import _workload  # noqa: E402
@@ -55,7 +56,8 @@ def test_batched_equals_alone(tiny_model_dir, triton_engine):
     prompts, params = _workload(5, 8, 120, 12)
     alone = [_generate(path, [p], sp, num_kv_blocks=64, enable_prefix_caching=False)[0][0]
              for p, sp in zip(prompts, params)]
-    batched, stats = _generate(path, prompts, params, num_kv_blocks=24,
+    batched, stats = _generate(path, prompts, params,
+                               num_kv_blocks=384 // default_block_size("cpu"),  # 384 tokens
                                max_num_batched_tokens=64)
     assert stats.num_preemptions > 0, "the small pool was meant to force preemption"
     assert batched == alone

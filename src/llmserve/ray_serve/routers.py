@@ -111,8 +111,8 @@ class PrefixAwareRouter(_LLMRouter):
     """A prompt goes to the replica that served the longest prefix of it, while loads are
     balanced; see policy.prefix_aware. Keyword arguments (``request_router_kwargs``):
     ``imbalance_threshold`` (requests in flight, default 4), ``min_match_tokens`` (default
-    one chunk), ``chunk_size`` (tokens, default 16, the KV block size) and
-    ``max_chunks_per_replica``."""
+    one chunk), ``chunk_size`` (tokens, default 16; the launcher passes the engine's KV block
+    size) and ``max_chunks_per_replica``."""
 
     def initialize_state(self, imbalance_threshold: int = 4, min_match_tokens: int = 16,
                          chunk_size: int = 16, max_chunks_per_replica: int = 1 << 16,
