@@ -37,6 +37,19 @@ def test_kv_blocks_default_to_32_tokens_on_cpu_and_16_on_cuda():
         CacheConfig(block_size=24)
 
 
+def test_cpu_blocks_the_kernel_cannot_read_fall_back_and_say_so(monkeypatch):
+    from llmserve.attention import backend
+    from llmserve.csrc import cpu_ops
+
+    if cpu_ops() is None:
+        pytest.skip("needs the compiled CPU kernels (a C++ compiler)")
+    said: list[str] = []
+    monkeypatch.setattr(backend.logger, "warning", lambda msg, *args: said.append(msg % args))
+    assert _auto_backend(torch.device("cpu"), 32) == "cpu_paged" and not said
+    assert _auto_backend(torch.device("cpu"), 8) == "torch_paged"
+    assert len(said) == 1 and "KV blocks of 8 tokens" in said[0] and "multiple of 16" in said[0]
+
+
 def test_cuda_picks_the_triton_backend():
     pytest.importorskip("triton")
     assert _auto_backend(torch.device("cuda"), 16) == "triton_paged"

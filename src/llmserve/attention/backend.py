@@ -14,6 +14,9 @@ from typing import Any, Protocol
 import torch
 
 from llmserve.attention.kv_format import PagedKVCache
+from llmserve.logger import get_logger
+
+logger = get_logger(__name__)
 
 
 @dataclass
@@ -109,8 +112,15 @@ def _auto_backend(device: torch.device, block_size: int) -> str:
         return "triton_paged" if importlib.util.find_spec("triton") else "torch_paged"
     from llmserve.csrc import cpu_ops
 
-    usable = device.type == "cpu" and block_size % 16 == 0
-    return "cpu_paged" if usable and cpu_ops() else "torch_paged"
+    if cpu_ops() is None:
+        return "torch_paged"
+    if block_size % 16:
+        logger.warning("KV blocks of %d tokens: the compiled CPU attention kernel reads "
+                       "blocks of a multiple of 16 tokens, so attention runs on the PyTorch "
+                       "fallback (torch_paged), which is slower; the CPU's default is "
+                       "32 (--block-size)", block_size)
+        return "torch_paged"
+    return "cpu_paged"
 
 
 def _register_builtin() -> None:
