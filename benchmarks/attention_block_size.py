@@ -13,9 +13,9 @@ each block size per round, and each size's time against the first size's.
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
+from attention_ab import best_time
 
 from llmserve.csrc import cpu_ops
 
@@ -43,18 +43,6 @@ def layer_args(block_size: int, lens: list[int], gen: torch.Generator) -> list[t
     return out
 
 
-def fastest(ops, layers: list[tuple], passes: int) -> float:
-    for args in layers:
-        ops.paged_attention(*args)
-    best = float("inf")
-    for _ in range(passes):
-        start = time.perf_counter()
-        for args in layers:
-            ops.paged_attention(*args)
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default="16,32,64,128")
@@ -77,8 +65,8 @@ def main() -> None:
     for r in range(args.rounds):
         cold, warm = {}, {}
         for bs in (sizes if r % 2 == 0 else sizes[::-1]):
-            cold[bs] = fastest(ops, calls[bs], args.passes) * 1e3
-            warm[bs] = fastest(ops, calls[bs][:1], args.passes * 4) * 1e3
+            cold[bs] = best_time(ops, calls[bs], args.passes) * 1e3
+            warm[bs] = best_time(ops, calls[bs][:1], args.passes * 4) * 1e3
         cells = " | ".join(f"{cold[bs]:.2f} / {warm[bs]:.3f}" for bs in sizes)
         ratios = ", ".join(f"{cold[bs] / cold[sizes[0]]:.2f} / {warm[bs] / warm[sizes[0]]:.2f}"
                            for bs in sizes[1:])
