@@ -50,6 +50,11 @@ LLMSERVE_FUSED_LAYERS: bool = os.environ.get("LLMSERVE_FUSED_LAYERS", "1") != "0
 # "0" opens an OpenMP region per kernel of the fused stack, as the modules do, instead of one
 # for the whole stack (csrc/team.h).
 LLMSERVE_STACK_TEAM: bool = os.environ.get("LLMSERVE_STACK_TEAM", "1") != "0"
+# "0": paged attention's decode items on CPU stop reading their KV blocks (every KV head of
+# them) before they compute, and rely on software prefetches alone (csrc/paged_attention.cpp,
+# load_item_blocks); the output is the same.
+LLMSERVE_ATTENTION_LOAD_AHEAD: bool = (
+    os.environ.get("LLMSERVE_ATTENTION_LOAD_AHEAD", "1") != "0")
 # "0" leaves glibc's malloc thresholds alone (see llmserve/host_memory.py): freed host
 # memory is then returned to the system and each CPU step faults its tensors in again.
 LLMSERVE_RETAIN_FREED_MEMORY: bool = os.environ.get("LLMSERVE_RETAIN_FREED_MEMORY", "1") != "0"

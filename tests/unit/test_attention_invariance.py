@@ -161,6 +161,32 @@ def test_compiled_rows_do_not_depend_on_the_threads(kv_dtype: str):
         assert all(torch.equal(a, b) for a, b in zip(got, want)), k
 
 
+@pytest.mark.skipif(cpu_ops() is None, reason=NO_KERNELS)
+@pytest.mark.parametrize("kv_dtype", list(KV_CACHE_DTYPES))
+def test_compiled_rows_do_not_depend_on_loading_ahead(kv_dtype: str):
+    """With many decodes, a thread takes every KV head of a sequence at once and the first
+    of them reads the blocks of all (``set_attention_load_ahead``): lengths of one to three
+    segments, short ones within the float formats' byte budget, long ones past it, alone
+    and beside a prefill chunk. The rows are bitwise those of prefetches alone."""
+    lengths = {s: n for s, n in enumerate((40, 75, 130, 160, 300, 517, 600, 90, 1100, 33,
+                                           250, 64))}
+    kv, q, blocks, num_blocks = _problem(lengths)
+    ops = cpu_ops()
+
+    def run(on: bool, chunk: int):
+        before = ops.set_attention_load_ahead(on)
+        try:
+            cache = PagedKVCache.allocate(kv_dtype, num_blocks, BS, HKV, D, torch.device("cpu"))
+            seqs = [(s, chunk if s == 5 else 1, blocks[s]) for s in lengths]
+            return _run("cpu_paged", seqs, cache, kv, q)
+        finally:
+            ops.set_attention_load_ahead(before)
+
+    for chunk in (1, 7):
+        on, off = run(True, chunk), run(False, chunk)
+        assert all(torch.equal(a, b) for a, b in zip(on, off)), chunk
+
+
 @pytest.mark.parametrize("kv_dtype", list(KV_CACHE_DTYPES))
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_matches_float64_reference(backend: str, kv_dtype: str):

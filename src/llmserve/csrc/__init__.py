@@ -67,6 +67,7 @@ def cpu_ops() -> ModuleType | None:
         return None
     logger.info("CPU kernels built for %s (LLMSERVE_CPU_ISA=%s); integer kernels: %s",
                 ops.isa, envs.LLMSERVE_CPU_ISA, ops.int_kernels or "none (PyTorch's)")
+    ops.set_attention_load_ahead(envs.LLMSERVE_ATTENTION_LOAD_AHEAD)
     return ops
 
 

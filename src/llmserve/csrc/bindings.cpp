@@ -14,6 +14,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("value_scale"), py::arg("block_tables"), py::arg("query_start"),
         py::arg("positions"), py::arg("scale"), py::arg("window") = 0);
   m.attr("attention_segment_keys") = kSegmentKeys;
+  m.def("set_attention_load_ahead", &set_attention_load_ahead,
+        "whether paged attention's decode items read their blocks (every KV head) before "
+        "computing; returns the previous setting (the results are the same either way)",
+        py::arg("on"));
   m.def("store_kv", &store_kv, "write keys or values into the paged cache at their slots");
   m.def("rms_norm", &rms_norm, "weight * x / sqrt(mean(x^2) + eps), row by row");
   m.def("add_rms_norm_", &add_rms_norm_,

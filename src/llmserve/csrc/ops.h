@@ -51,6 +51,9 @@ void paged_attention_out(const at::Tensor& q, const at::Tensor& key_cache,
                          const at::Tensor& block_tables, const at::Tensor& query_start,
                          const at::Tensor& positions, double scale, int64_t window,
                          at::Tensor& out);
+// Whether paged attention's decode items read their blocks (every KV head of them) before
+// computing (paged_attention.cpp, load_item_blocks); on by default. Returns the old setting.
+bool set_attention_load_ahead(bool on);
 void store_kv(const at::Tensor& x, at::Tensor& cache, const c10::optional<at::Tensor>& scales,
               const at::Tensor& slots, double max_code, bool transposed);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);

@@ -36,6 +36,8 @@ namespace {
 
 constexpr int kTile = 8;    // query rows of one sequence handled together
 constexpr int kAhead = 4;  // blocks prefetched ahead of the one being read
+constexpr int64_t kLoadBudget = 256 << 10;  // most bytes an item loads ahead (load_item_blocks)
+std::atomic<bool> g_load_ahead{true};  // set_attention_load_ahead
 
 typedef int8_t vi8 __attribute__((vector_size(kLanes)));
 typedef uint16_t vu16 __attribute__((vector_size(kLanes * 2)));
@@ -105,6 +107,20 @@ inline void prefetch(const void* p, int64_t bytes) {
 inline void prefetch_l2(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
   for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i, 0, 2);
+}
+
+// Reads a word of every 64-byte line of [p, p + bytes) into the caches: independent loads in
+// a tight loop, which the core keeps many of in flight at once. Returns their xor, for the
+// caller to keep (see load_item_blocks).
+inline uint64_t load_lines(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  uint64_t acc = 0;
+  for (int64_t i = 0; i < bytes; i += 64) {
+    uint64_t word;
+    std::memcpy(&word, c + i, sizeof(word));
+    acc ^= word;
+  }
+  return acc;
 }
 
 constexpr int kScoreRows = 4;  // most query vectors scored together (one accumulator each)
@@ -455,6 +471,9 @@ struct Problem {
 // every row's window, are never read).
 struct Item {
   int64_t b, t0, rows, h, nq, first_block, num_blocks, k0;
+  // The first of a thread's take of every KV head of its unit: it reads the blocks of the
+  // heads after its own too (see load_item_blocks).
+  bool loads_heads_after;
   const int64_t* table;
   // Null when the item covers every key of its rows: it writes their output. Otherwise
   // where it leaves each vector's partial result, [nq][head_dim + 2] (sum of values, max
@@ -587,6 +606,7 @@ void for_each_item(const Problem& p, int64_t num_seqs, F&& body) {
   int32_t* const pending_base = pending.data();
 
   std::atomic<int64_t> next_item{0};
+  const bool load_ahead = g_load_ahead.load(std::memory_order_relaxed);
   const int64_t workers = std::min<int64_t>(num_threads(), num_items);
   const int64_t grab = num_units >= 4 * workers ? p.num_kv_heads : 1;
 
@@ -604,6 +624,7 @@ void for_each_item(const Problem& p, int64_t num_seqs, F&& body) {
       const int64_t seg = unit_seg[unit];
       const int64_t seg_lo = seg * p.seg_keys;
       it.h = item % p.num_kv_heads;
+      it.loads_heads_after = load_ahead && grab > 1 && k == k0;
       it.b = tile.b;
       it.t0 = tile.t0;
       it.rows = tile.rows;
@@ -668,6 +689,14 @@ struct BlockReader {
     prefetch(data(i), p.head_elems * sizeof(T));
     if (scales) prefetch(scale(i), p.block_size * sizeof(float));
   }
+  // Loads block i's data and scales of the item's head and of every head after it (they
+  // follow it in the block). Returns the loaded words' xor.
+  uint64_t load_heads_from_own(int64_t i) const {
+    uint64_t acc = load_lines(data(i), (p.block_elems - it.h * p.head_elems) * sizeof(T));
+    if (scales)
+      acc ^= load_lines(scale(i), (p.num_kv_heads - it.h) * p.block_size * sizeof(float));
+    return acc;
+  }
   void fetch_first() const {
     for (int64_t i = it.first_block; i < std::min<int64_t>(it.first_block + kAhead,
                                                            it.num_blocks); ++i)
@@ -685,6 +714,31 @@ struct BlockReader {
         prefetch(scale(i), p.block_size * sizeof(float));
   }
 };
+
+// A decode item reads its blocks before it computes anything. Software prefetches alone
+// (one per line, spread over the computation) left most of this host's memory bandwidth
+// unused: 30 layers of decodes from memory took the time of a read of the blocks plus that
+// of the computation from cache, and more. A tight loop of loads keeps many lines in flight.
+// The first item of a take of every KV head of a unit (Item::loads_heads_after) reads the
+// blocks of the heads after its own too: they lie side by side in a block, so each block is
+// one contiguous read (6 KiB of keys and 6 of values for SmolLM2's three heads at blocks of
+// 32), and the take's next items find theirs in L2. Items of a prefill tile skip it (the
+// tiles before them read the same blocks), as do items of more than kLoadBudget bytes
+// (float32 caches: their blocks crowd L2, and measured slower). Measured on a Zen 4:
+// BENCHMARKS.md, session 42 (`set_attention_load_ahead(False)`: prefetches alone).
+template <typename T>
+void load_item_blocks(const BlockReader<T>& keys, const BlockReader<T>& values,
+                      const Item& it) {
+  if (!it.loads_heads_after || it.rows > 1) return;
+  const Problem& p = keys.p;
+  const int64_t block_bytes = (p.block_elems - it.h * p.head_elems) * sizeof(T) +
+                              (keys.scales ? (p.num_kv_heads - it.h) * p.block_size * 4 : 0);
+  if (2 * block_bytes * (it.num_blocks - it.first_block) > kLoadBudget) return;
+  uint64_t acc = 0;
+  for (int64_t blk = it.first_block; blk < it.num_blocks; ++blk)
+    acc ^= keys.load_heads_from_own(blk) ^ values.load_heads_from_own(blk);
+  asm volatile("" : : "r"(acc));  // the loads are the point: keep them
+}
 
 // Scores of every query vector of the item against every key of its blocks (also past a
 // vector's own length: those lanes are scratch), stored from key k0 on, two blocks at a
@@ -786,6 +840,7 @@ void attend_float(const Problem& p, int64_t num_seqs, const T* k_ptr, const T* v
     const BlockReader<T> keys{p, it, k_ptr, p.key_scale}, values{p, it, v_ptr, p.value_scale};
     const int64_t nq = it.nq, num_blocks = it.num_blocks;
     const int64_t stride = (num_blocks - it.first_block) * bs;  // scores per query vector
+    load_item_blocks(keys, values, it);
     keys.fetch_first();
     s.scores.resize(static_cast<size_t>(nq * stride));
 
@@ -844,6 +899,7 @@ void attend_int8_pairs(const Problem& p, int64_t num_seqs, const int8_t* k_ptr,
         values{p, it, v_ptr, p.value_scale};
     const int64_t nq = it.nq, num_blocks = it.num_blocks;
     const int64_t stride = (num_blocks - it.first_block) * bs;
+    load_item_blocks(keys, values, it);
     keys.fetch_first();
     s.scores.resize(static_cast<size_t>(nq * stride));
     s.q16.resize(static_cast<size_t>(nq * head_dim));
@@ -916,6 +972,8 @@ void attend_int8_pairs(const Problem& p, int64_t num_seqs, const int8_t* k_ptr,
 }
 
 }  // namespace
+
+bool set_attention_load_ahead(bool on) { return g_load_ahead.exchange(on); }
 
 // q: [T, Hq, D] float32 (rows may be strided); caches in kv_format.py's layout, keys
 // [blocks, Hkv, D / P, block_size, P] and values [blocks, Hkv, block_size / P, D, P]
