@@ -4,10 +4,12 @@ alternating in one process. The same results either way; only the time differs.
 
 Kernel alone: SmolLM2's attention (9 query and 3 KV heads of 64, int8 cache, blocks of 32),
 `batch` decodes of `context` to `context` + 23 tokens over 30 layers with caches of their own
-(read from memory, as a decode step reads them), the blocks of each sequence laid out three
+(read from memory, as a decode step reads them), the blocks of each sequence laid out four
 ways in a pool the size of the default cache: at random; in pool order (one sequence's blocks
-one after another, as a fresh server's prefill allocates them); the first 8 in order and the
-rest at random (a fresh server's pattern after decoding past 256 tokens). Printed: each
+one after another, as a fresh server's prefill allocates them); in decreasing pool order (a
+finished sequence's blocks as its successor took them before the block pool sorted them);
+the first 8 in order and the rest at random (a fresh server's pattern after decoding past
+256 tokens). Printed: each
 setting's fastest pass over the 30 layers, and on / off.
 
 With `--engine`: the default model's decode steps (`batch` requests of `context` random
@@ -45,6 +47,7 @@ def layouts(calls: list[tuple], gen: torch.Generator) -> dict[str, list[tuple]]:
         rest = torch.randperm(pool - n * per_seq, generator=gen)[:n * (per_seq - 8)]
         mixed[:, 8:] = rest.view(n, -1) + n * per_seq
     tables = {"at random": random_tables, "in pool order": ordered,
+              "in decreasing pool order": ordered.flip(1).contiguous(),
               "first 8 in order, then at random": mixed}
     return {name: [(*c[:5], t, *c[6:]) for c in calls] for name, t in tables.items()}
 

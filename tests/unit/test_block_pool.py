@@ -12,7 +12,21 @@ def test_allocate_and_free_in_lru_order():
     a, b = pool.get_new_blocks(2)
     assert (a.block_id, b.block_id) == (0, 1) and pool.num_free_blocks == 2
     pool.free_blocks([b, a])  # tail-first: b is evicted before a
-    assert [blk.block_id for blk in pool.get_new_blocks(4)] == [2, 3, 1, 0]
+    assert [blk.block_id for blk in pool.get_new_blocks(3)] == [1, 2, 3]  # 0 stays free
+    assert [blk.block_id for blk in pool.get_new_blocks(1)] == [0]
+    pool.check_integrity()
+
+
+def test_a_run_of_freed_blocks_is_handed_out_in_increasing_order():
+    """A finished sequence frees its blocks last first; the next sequence to take them gets
+    them back in increasing order (the CPU attention reads increasing addresses faster)."""
+    pool = BlockPool(8)
+    first = pool.get_new_blocks(4)
+    rest = pool.get_new_blocks(4)
+    pool.free_blocks(first[::-1])
+    pool.free_blocks(rest[::-1])
+    assert [blk.block_id for blk in pool.get_new_blocks(3)] == [1, 2, 3]
+    assert [blk.block_id for blk in pool.get_new_blocks(5)] == [0, 4, 5, 6, 7]
     pool.check_integrity()
 
 
