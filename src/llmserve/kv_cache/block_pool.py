@@ -51,7 +51,7 @@ class BlockPool:
         returned in increasing block order. The head often holds a finished sequence's
         blocks, freed last first: handed out as they sit, a new sequence would get them in
         decreasing order, and the CPU attention kernel reads a sequence's blocks in
-        increasing addresses 1.3-1.4x faster than in decreasing ones (BENCHMARKS.md)."""
+        increasing addresses 1.2-1.4x faster than in decreasing ones (BENCHMARKS.md)."""
         if n > len(self._free):
             raise ValueError(f"cannot allocate {n} blocks, {len(self._free)} free")
         out = []
