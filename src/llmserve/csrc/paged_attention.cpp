@@ -731,8 +731,10 @@ void load_item_blocks(const BlockReader<T>& keys, const BlockReader<T>& values,
                       const Item& it) {
   if (!it.loads_heads_after || it.rows > 1) return;
   const Problem& p = keys.p;
-  const int64_t block_bytes = (p.block_elems - it.h * p.head_elems) * sizeof(T) +
-                              (keys.scales ? (p.num_kv_heads - it.h) * p.block_size * 4 : 0);
+  const int64_t heads = p.num_kv_heads - it.h;  // its own and those after it
+  const int64_t head_bytes = p.head_elems * sizeof(T) +
+                             (keys.scales ? p.block_size * sizeof(float) : 0);
+  const int64_t block_bytes = heads * head_bytes;
   if (2 * block_bytes * (it.num_blocks - it.first_block) > kLoadBudget) return;
   uint64_t acc = 0;
   for (int64_t blk = it.first_block; blk < it.num_blocks; ++blk)
