@@ -20,6 +20,11 @@ from llmserve.kv_cache.groups import KVCacheGroup, first_needed_block
 # One request's blocks: a table per group, ``None`` where a sliding window released one.
 BlockTables = list[list[KVBlock | None]]
 
+# How far past a request's blocks the pool leaves free blocks for it to grow into, where it
+# starts a new run of blocks (`BlockPool.get_new_blocks`' room): the rest of its prompt and
+# its max_tokens, up to this many tokens.
+GROWTH_TOKENS = 1024
+
 
 class CachedRequest(Protocol):
     """What the manager reads of a request."""
@@ -29,9 +34,13 @@ class CachedRequest(Protocol):
     num_computed_tokens: int
     block_hashes: list[bytes]
     cache_salt: str | None
+    max_tokens: int
 
     @property
     def num_tokens(self) -> int: ...
+
+    @property
+    def num_prompt_tokens(self) -> int: ...
 
 
 def hash_block(parent: bytes, token_ids: Sequence[int], extra: str | None = None) -> bytes:
@@ -143,6 +152,10 @@ class KVCacheManager:
            is left for new blocks, so they are counted against the free blocks first.
         4. Blocks that will be full after this step are hashed and cached now: the step that
            fills them always runs, and in each layer keys are written before attention reads.
+
+        New blocks continue the request's table where the pool allows (the block after its
+        last one); where they start a new run, they leave room after it for the rest of
+        the prompt and max_tokens (see `BlockPool`).
         """
         rid = request.request_id
         bs = self.block_size
@@ -168,6 +181,9 @@ class KVCacheManager:
         needed = sum(max(0, end - max(len(blocks) + len(hit), first))
                      for blocks, hit, first in zip(tables, hits, firsts))
         reclaimed = sum(1 for hit in hits for b in hit if b is not None and b.ref_cnt == 0)
+        # Blocks the request will grow into after these: its prompt and max_tokens.
+        final = min(request.num_prompt_tokens + request.max_tokens, total + GROWTH_TOKENS)
+        room = max(0, -(-final // bs) - end)
         if needed > self.pool.num_free_blocks - reclaimed:
             if rid in self._req_block_ids:  # entries released above
                 self._sync_ids(rid, tables)
@@ -180,7 +196,10 @@ class KVCacheManager:
             blocks.extend(hit)
             if len(blocks) < first:  # never computed and already out of the window
                 blocks.extend([None] * (first - len(blocks)))
-            fresh = self.pool.get_new_blocks(max(0, end - len(blocks)))
+            last = blocks[-1] if blocks else None
+            fresh = self.pool.get_new_blocks(max(0, end - len(blocks)),
+                                             after=None if last is None else last.block_id,
+                                             room=room)
             blocks.extend(fresh)
             new_blocks.extend(fresh)
         self._sync_ids(rid, tables)
