@@ -1,8 +1,9 @@
 """Where the block pool puts a decoding sequence's new blocks, measured on the engine's
-decode steps: the pool as it is (a sequence grows into the block after its last one, and
-a new run of blocks leaves the blocks after it free for that) against the pool before it
-(each call's blocks from the head of the free queue, in increasing order), the two
-alternating wave by wave in one process on the default model.
+decode steps: the pool as it is (a sequence grows into the block after its last one where
+that is free and uncached, and a new run of blocks leaves the free uncached blocks after it
+for that) against the pool before it (each call's blocks from the head of the free queue,
+in increasing order), the two alternating wave by wave in one process on the default
+model.
 
 A wave: `--batch` requests of `--prompt` random tokens, greedy, `--output` tokens each (EOS
 ignored), run to the end. Printed per policy: the median decode step over the wave's last
@@ -41,17 +42,7 @@ class SwitchedPool(BlockPool):
     plain = False
 
     def get_new_blocks(self, n: int, after: int | None = None, room: int = 0) -> list[KVBlock]:
-        if not self.plain:
-            return super().get_new_blocks(n, after, room)
-        if n > len(self._free):
-            raise ValueError(f"cannot allocate {n} blocks, {len(self._free)} free")
-        out = []
-        for _ in range(n):
-            _, block = self._free.popitem(last=False)
-            self._evict(block)
-            block.ref_cnt = 1
-            out.append(block)
-        return sorted(out, key=lambda block: block.block_id)
+        return super().get_new_blocks(n) if self.plain else super().get_new_blocks(n, after, room)
 
 
 def wave(core, tag: str, batch: int, prompt: int, output: int,
