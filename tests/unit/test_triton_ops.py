@@ -199,6 +199,43 @@ def test_rotary_matches_the_pytorch_path(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d,k", [(96, 200), (100, 1100), (40, 64)])
+def test_gate_up_product_with_its_activation_gives_the_two_kernels_bits(
+        dtype, d, k, monkeypatch, few_multiprocessors):
+    """One launch writes silu(gate) * up of a gate/up weight: the bits of the product
+    followed by silu_and_mul, whether the weight splits over its inputs (parts added by
+    the last program, or in one program per tile) or not, alone and in any batch."""
+    w = randn(2 * d, k, dtype=dtype, seed=21)
+    x = randn(70, k, dtype=dtype, seed=22)
+    splits = triton_ops.linear_config(2 * d, k)[3]
+    for ordered in ((False, True) if splits > 1 else (False,)):
+        monkeypatch.setattr(triton_ops, "IN_ORDER_TILES", 1 if ordered else 1 << 30)
+        two = triton_ops.silu_and_mul(triton_ops.linear(x, w))
+        one = triton_ops.linear_silu_and_mul(x, w)
+        assert one.shape == (70, d) and torch.equal(one, two), (splits, ordered)
+        for rows in ([0], [3, 4, 5], [69]):
+            assert torch.equal(triton_ops.linear_silu_and_mul(x[rows], w), one[rows]), rows
+        for counters in triton_ops._COUNTERS.get(x.device, []):
+            assert not counters.any()
+    ref = x.double() @ w.double().T
+    ref = F.silu(ref[:, :d]) * ref[:, d:]
+    assert rel_err(one, ref) < (2e-3 if dtype == torch.float32 else 2e-2)
+
+
+def test_gate_up_product_with_two_kernels_when_the_parts_add_in_a_kernel(monkeypatch):
+    """LLMSERVE_SPLITK_REDUCE=kernel: the parts' own launch adds plain columns, so a split
+    gate/up weight takes the product and silu_and_mul (the same bits)."""
+    w = randn(128, 1024, dtype=torch.bfloat16, seed=23)
+    assert triton_ops.linear_config(128, 1024)[3] > 1
+    x = randn(3, 1024, dtype=torch.bfloat16, seed=24)
+    monkeypatch.setattr(triton_ops, "SPLITK_REDUCE", "kernel")
+    assert torch.equal(triton_ops.linear_silu_and_mul(x, w),
+                       triton_ops.silu_and_mul(triton_ops.linear(x, w)))
+    with pytest.raises(ValueError, match="even number of rows"):
+        triton_ops.linear_silu_and_mul(x, w[:127])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_and_mul(dtype):
     x = randn(5, 2 * 300, dtype=dtype)
     ref = F.silu(x[:, :300].float()) * x[:, 300:].float()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from llmserve.layers.activation import silu_and_mul
 from llmserve.layers.quantization import LinearMethod, WeightFormat
 from llmserve.layers.quantization.base import WeightSource, as_float
 
@@ -69,6 +70,16 @@ class MergedLinear(Linear):
             self.shard_offsets[shard] = (offset, size)
             offset += size
         self.output_sizes = list(shard_sizes.values())
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` of a gate/up projection of ``x``: in the product's own
+        kernel where the weight's method has one (the GPU's dense linear), else the
+        product, then the activation."""
+        if self.bias is None and len(self.output_sizes) == 2:
+            y = self.quant_method.apply_silu_and_mul(self, x)
+            if y is not None:
+                return y
+        return silu_and_mul(self(x))
 
 
 class VocabEmbedding(Linear):

@@ -66,6 +66,9 @@ PDL = envs.LLMSERVE_PDL  # read at call time, like SPLITK_REDUCE
 # and benchmarks can switch it. On an H200, 4096 rows: 1.3-2.0x faster than the parts in
 # programs of their own (BENCHMARKS.md, session 38); 1024 rows (below it) not yet tried.
 IN_ORDER_TILES = 4 * TILES_PER_SM * _SMS
+# The gate/up projection writes silu(gate) * up itself (``linear_silu_and_mul``); False
+# brings back the product and a second kernel, to compare them. Read at call time.
+GATED_LINEAR = True
 
 
 @functools.cache
@@ -95,12 +98,13 @@ def wait_for_inputs(PDL: tl.constexpr):
 
 
 @triton.jit
-def _sum_part(a_ptr, w_ptr, rm, rn, M, N, K, k_per_split, part, stride_am, stride_wn,
+def _sum_part(a_ptr, w_ptr, rm, rn, n_ok, M, K, k_per_split, part, stride_am, stride_wn,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
               UPCAST: tl.constexpr):
-    """Part ``part`` of a tile: float32 sums from zero over its inputs
-    [part * k_per_split, (part + 1) * k_per_split) (within K), in tiles of BLOCK_K, in
-    order. The one place a part's inputs are chosen, whichever program sums it."""
+    """Part ``part`` of a tile (weight rows ``rn``, those of ``n_ok`` real): float32 sums
+    from zero over its inputs [part * k_per_split, (part + 1) * k_per_split) (within K), in
+    tiles of BLOCK_K, in order. The one place a part's inputs are chosen, whichever program
+    sums it."""
     k_lo = part * k_per_split
     k_hi = tl.minimum(K, k_lo + k_per_split)
     rk = tl.arange(0, BLOCK_K)
@@ -110,7 +114,7 @@ def _sum_part(a_ptr, w_ptr, rm, rn, M, N, K, k_per_split, part, stride_am, strid
         a = tl.load(a_ptr + rm[:, None] * stride_am + ks[None, :],
                     mask=(rm[:, None] < M) & (ks[None, :] < k_hi), other=0.0)
         w = tl.load(w_ptr + rn[None, :] * stride_wn + ks[:, None],
-                    mask=(rn[None, :] < N) & (ks[:, None] < k_hi), other=0.0)  # [BK, BN]
+                    mask=n_ok[None, :] & (ks[:, None] < k_hi), other=0.0)  # [BK, BN]
         if UPCAST:  # the interpreter multiplies 16-bit matrices wrongly
             a = a.to(tl.float32)
             w = w.to(tl.float32)
@@ -118,12 +122,32 @@ def _sum_part(a_ptr, w_ptr, rm, rn, M, N, K, k_per_split, part, stride_am, strid
     return acc
 
 
+@triton.jit
+def _store_tile(c_ptr, acc, rm, M, col, n_ok, stride_cm, GATED: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A tile's sums to C in its dtype; GATED: the tile's columns are (gate, up) pairs, and
+    ``silu(gate) * up`` of the pairs goes to C (one column per pair), computed as
+    ``silu_and_mul`` computes it from the rounded products."""
+    if GATED:
+        y = acc.to(c_ptr.dtype.element_ty).to(tl.float32)
+        gate, up = tl.split(tl.reshape(y, [BLOCK_M, BLOCK_N // 2, 2]))
+        pair_col = tl.reshape(col, [BLOCK_N // 2, 2])  # a pair's two entries: one column
+        pair_col, _ = tl.split(pair_col)
+        pair_ok, _ = tl.split(tl.reshape(n_ok, [BLOCK_N // 2, 2]))
+        out = gate / (1.0 + tl.exp(-gate)) * up
+        tl.store(c_ptr + rm[:, None] * stride_cm + pair_col[None, :],
+                 out.to(c_ptr.dtype.element_ty), mask=(rm[:, None] < M) & pair_ok[None, :])
+    else:
+        tl.store(c_ptr + rm[:, None] * stride_cm + col[None, :],
+                 acc.to(c_ptr.dtype.element_ty), mask=(rm[:, None] < M) & n_ok[None, :])
+
+
 @triton.jit(do_not_specialize=["M"])
 def _linear_kernel(a_ptr, w_ptr, c_ptr, part_ptr, count_ptr, M, N, K, k_per_split,
                    stride_am, stride_wn, stride_cm, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr,
-                   IN_ORDER: tl.constexpr, FUSED: tl.constexpr, UPCAST: tl.constexpr,
-                   PDL: tl.constexpr):
+                   IN_ORDER: tl.constexpr, FUSED: tl.constexpr, GATED: tl.constexpr,
+                   UPCAST: tl.constexpr, PDL: tl.constexpr):
     """C [M, N] = A [M, K] @ W [N, K]^T: float32 sums over K in tiles of BLOCK_K, in order.
     With SPLITS > 1 the inputs are cut into parts of ``k_per_split``, each summed from zero,
     and the parts' sums are added in order:
@@ -132,25 +156,36 @@ def _linear_kernel(a_ptr, w_ptr, c_ptr, part_ptr, count_ptr, M, N, K, k_per_spli
       the output tile does, as that kernel would: it counts the tile's finished parts in
       ``count_ptr[tile]`` (int32, 0 before the launch and left at 0 after it);
     - or, with IN_ORDER, by one program per tile, part after part: the same float32
-      operations in the same order (the same bits), without the partials."""
+      operations in the same order (the same bits), without the partials.
+    GATED (W a fused gate/up projection [2d, K]): a tile of BLOCK_N columns takes the gate
+    and up rows of BLOCK_N / 2 outputs, interleaved, and C [M, d] gets ``silu(gate) * up``
+    of each pair. Each column's sums are those of the plain product."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rp = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # the tile's columns of the product
+    if GATED:  # column 2j + u: weight row j (the gate) or d + j (up) of output j
+        half = N // 2
+        col = rp // 2
+        rn = col + (rp % 2) * half
+        n_ok = col < half
+    else:
+        col = rp
+        rn = rp
+        n_ok = rp < N
     wait_for_inputs(PDL)
-    ok = (rm[:, None] < M) & (rn[None, :] < N)
-    out = c_ptr + rm[:, None] * stride_cm + rn[None, :]
     if IN_ORDER:
-        acc = _sum_part(a_ptr, w_ptr, rm, rn, M, N, K, k_per_split, 0, stride_am, stride_wn,
-                        BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
+        acc = _sum_part(a_ptr, w_ptr, rm, rn, n_ok, M, K, k_per_split, 0, stride_am,
+                        stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
         for s in range(1, SPLITS):
-            acc += _sum_part(a_ptr, w_ptr, rm, rn, M, N, K, k_per_split, s, stride_am,
+            acc += _sum_part(a_ptr, w_ptr, rm, rn, n_ok, M, K, k_per_split, s, stride_am,
                              stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
-        tl.store(out, acc.to(c_ptr.dtype.element_ty), mask=ok)
+        _store_tile(c_ptr, acc, rm, M, col, n_ok, stride_cm, GATED, BLOCK_M, BLOCK_N)
     elif SPLITS > 1:
         split = tl.program_id(2)
-        acc = _sum_part(a_ptr, w_ptr, rm, rn, M, N, K, k_per_split, split, stride_am,
+        acc = _sum_part(a_ptr, w_ptr, rm, rn, n_ok, M, K, k_per_split, split, stride_am,
                         stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
-        parts = part_ptr + rm[:, None] * N + rn[None, :]
+        ok = (rm[:, None] < M) & n_ok[None, :]
+        parts = part_ptr + rm[:, None] * N + rp[None, :]
         tl.store(parts + split * M * N, acc, mask=ok)
         if FUSED:
             # Every thread's stores are issued before the one thread of the scalar atomic
@@ -164,12 +199,13 @@ def _linear_kernel(a_ptr, w_ptr, c_ptr, part_ptr, count_ptr, M, N, K, k_per_spli
                 for s in tl.static_range(1, SPLITS):  # the order of _sum_splits_kernel
                     total += tl.load(parts + s * M * N, mask=ok, other=0.0,
                                      cache_modifier=".cg")
-                tl.store(out, total.to(c_ptr.dtype.element_ty), mask=ok)
+                _store_tile(c_ptr, total, rm, M, col, n_ok, stride_cm, GATED, BLOCK_M,
+                            BLOCK_N)
                 tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")  # next call
     else:  # one part: k_per_split covers K
-        acc = _sum_part(a_ptr, w_ptr, rm, rn, M, N, K, k_per_split, 0, stride_am, stride_wn,
-                        BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
-        tl.store(out, acc.to(c_ptr.dtype.element_ty), mask=ok)
+        acc = _sum_part(a_ptr, w_ptr, rm, rn, n_ok, M, K, k_per_split, 0, stride_am,
+                        stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
+        _store_tile(c_ptr, acc, rm, M, col, n_ok, stride_cm, GATED, BLOCK_M, BLOCK_N)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -217,10 +253,11 @@ def linear_config(n: int, k: int) -> tuple[int, int, int, int]:
 _COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
 
 
-def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
-    """The split linears' per-tile counters on ``device``: int32 zeros, shared by every call
-    (calls on one stream run one after another, and each leaves its counters at 0; two
-    streams must not run split linears at once). Allocated generously on first use and grown
+def tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """Per-tile counters on ``device`` (of the split linears' parts, and of the paged
+    attention's segments): int32 zeros, shared by every call (calls on one stream run one
+    after another, and each leaves its counters at 0; two streams must not run such
+    kernels at once). Allocated generously on first use and grown
     when a call needs more; never while a CUDA graph is captured (the zeroing would be a
     memset in the graph), so a warm-up before a capture must run every shape first. A grown
     buffer's predecessors stay alive: a captured graph may still count in them."""
@@ -228,7 +265,7 @@ def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
     if not buffers or buffers[-1].numel() < tiles:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
-                f"linear: {tiles} split-K tile counters needed on {device} during CUDA graph "
+                f"{tiles} tile counters needed on {device} during CUDA graph "
                 "capture, but they can only be allocated outside it: run the same shapes "
                 "once before capturing")
         size = max(tiles, _MIN_COUNTERS, 2 * buffers[-1].numel() if buffers else 0)
@@ -244,12 +281,30 @@ def in_order(tiles: int, splits: int) -> bool:
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x`` [M, K] @ ``weight`` [N, K]^T -> [M, N] in the weight's dtype."""
+    return _linear(x, weight, gated=False)
+
+
+def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``silu_and_mul(linear(x, weight))`` in one launch, with the same bits: ``weight`` is
+    a fused gate/up projection [2d, K], the result [M, d]. Each tile multiplies the gate
+    and up rows of its outputs side by side (the same tiles and sums as ``linear``) and
+    writes ``silu(gate) * up``: the product's [M, 2d] never goes to memory, and a layer
+    launches one kernel fewer. With ``LLMSERVE_SPLITK_REDUCE=kernel`` a split weight takes
+    the two-kernel path (its second launch adds plain parts)."""
+    if not GATED_LINEAR:
+        return silu_and_mul(_linear(x, weight, gated=False))
+    return _linear(x, weight, gated=True)
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, gated: bool) -> torch.Tensor:
     x = x.to(weight.dtype)
     if x.stride(-1) != 1:
         x = x.contiguous()
     m, k = x.shape
     n = weight.shape[0]
-    out = torch.empty(m, n, dtype=weight.dtype, device=x.device)
+    if gated and n % 2:
+        raise ValueError(f"a gate/up weight has an even number of rows, not {n}")
+    out = torch.empty(m, n // 2 if gated else n, dtype=weight.dtype, device=x.device)
     if m == 0:
         return out
     bm, bn, bk, splits = linear_config(n, k)
@@ -258,15 +313,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     ordered = in_order(tiles, splits)
     parallel = splits > 1 and not ordered  # one program per part, partials in memory
     fused = parallel and SPLITK_REDUCE == "fused"
+    if gated and parallel and not fused:
+        return silu_and_mul(_linear(x, weight, gated=False))
     part = (torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if parallel
             else out)
-    counters = _tile_counters(x.device, tiles) if fused else out
+    counters = tile_counters(x.device, tiles) if fused else out
     pdl = pdl_for(x)
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), splits if parallel else 1)
     _linear_kernel[grid](
         x, weight, out, part, counters, m, n, k, k_per_split, x.stride(0), weight.stride(0),
         out.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLITS=splits, IN_ORDER=ordered,
-        FUSED=fused, UPCAST=INTERPRETED, num_warps=_LINEAR_WARPS,
+        FUSED=fused, GATED=gated, UPCAST=INTERPRETED, num_warps=_LINEAR_WARPS,
         num_stages=_LINEAR_STAGES, **pdl_launch(pdl))
     if parallel and not fused:
         block = 1024

@@ -10,7 +10,6 @@ import torch
 from torch import nn
 
 from llmserve.attention import Attention, AttentionContext
-from llmserve.layers.activation import silu_and_mul
 from llmserve.layers.linear import Linear, MergedLinear, VocabEmbedding
 from llmserve.layers.norm import RMSNorm
 from llmserve.layers.quantization import WeightFormat
@@ -68,7 +67,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(size, cfg.hidden_size, bias=cfg.mlp_bias, fmt=fmt)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj.silu_and_mul(x))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -71,6 +71,12 @@ class LinearMethod(ABC):
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """``x``: [M, in] float32 -> [M, out] float32."""
 
+    def apply_silu_and_mul(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+        """``silu(gate) * up`` of a fused gate/up projection ``[M, 2d]`` of ``x``, as one
+        kernel (the product never written); None where the method has no such kernel."""
+        del layer, x
+        return None
+
     def fused_kernel(self, layer: nn.Module) -> tuple | None:
         """The compiled kernel ``apply`` calls, as the arguments of ``make_linear_plan``
         after its kind (``("int4", packed, scale_zero, None, out, 0, group)``), for a fused

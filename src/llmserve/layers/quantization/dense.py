@@ -144,6 +144,11 @@ class DenseMethod(LinearMethod):
             return F.linear(x.to(weight.dtype), weight)
         return F.linear(x, _widened(weight))
 
+    def apply_silu_and_mul(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+        weight = getattr(layer, "weight", None)  # None: packed for the CPU kernel
+        gpu = gpu_ops_for(weight) if weight is not None else None
+        return None if gpu is None else gpu.linear_silu_and_mul(x, weight)
+
     def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         if self._ops is not None:
             return unpack_rows(layer.weight_panels, ids).float()
