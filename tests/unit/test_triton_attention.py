@@ -232,3 +232,35 @@ def test_segments_folded_in_the_kernel_give_the_second_kernels_bits(window, monk
     assert rel_err(results["fused"], batch.reference(window)) < 1e-2
     for counters in triton_ops._COUNTERS.get(DEVICE, []):
         assert not counters.any()
+
+
+def test_rotary_in_the_kv_store_gives_the_bits_of_rotating_first(monkeypatch):
+    """With the step's rotary passed down, the backend rotates q and k in the kernel that
+    stores the keys (here run under the interpreter as the GPU would): the output and the
+    cache of rotating first, then storing."""
+    from llmserve.attention import Rope, triton_paged
+    from llmserve.layers import rotary as rotary_module
+    from llmserve.layers import triton_ops
+    from llmserve.layers.rotary import RotaryEmbedding
+    from llmserve.models.arch_config import RopeScaling
+
+    for module in (triton_paged, rotary_module):  # the GPU's kernels for CPU tensors
+        monkeypatch.setattr(module, "gpu_ops_for", lambda x: triton_ops)
+    rotary = RotaryEmbedding(32, 4 * SEGMENT, 10000.0, RopeScaling()).to(DEVICE)
+    results = {}
+    for fused in (False, True):
+        monkeypatch.setattr(triton_paged, "ROPE_STORE", fused)
+        batch = Batch(MIXED, 6, 2, 32, "bfloat16", torch.bfloat16, seed=8)
+        layout, rows = batch.layout()
+        meta = TritonPagedBackend().build_metadata(layout)
+        q, k, v = batch.q[rows].clone(), batch.k[rows].clone(), batch.v[rows]
+        out = TritonPagedBackend().forward(q, k, v, batch.cache, meta, batch.d ** -0.5,
+                                           rope=Rope(rotary, layout.positions))
+        results[fused] = (out, batch.cache.key.clone(), batch.cache.value.clone())
+    for i, (got, want) in enumerate(zip(results[True], results[False])):
+        assert torch.equal(got, want), i
+    rotated = batch.q[rows].clone(), batch.k[rows].clone()
+    triton_ops.rotary_(*rotated, layout.positions, *rotary.kernel_tables())
+    assert not torch.equal(rotated[1], batch.k[rows])
+    assert torch.equal(batch.cache.read(layout.slot_mapping)[0],
+                       rotated[1].float())  # the cache holds the rotated keys

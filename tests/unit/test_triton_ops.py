@@ -198,6 +198,38 @@ def test_rotary_matches_the_pytorch_path(dtype):
     assert torch.equal(qkv[:, 512:], v_before)  # v untouched
 
 
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("head_dim", [64, 48])
+def test_rotary_and_kv_store_in_one_launch_give_the_two_kernels_bits(cache_dtype, head_dim):
+    """q rotated in place, and the rotated keys and the values written at their slots: the
+    bits of rotary_ then store_kv, with k itself left as it was."""
+    rope = RotaryEmbedding(head_dim, 512, 10000.0, RopeScaling()).to(DEVICE)
+    cos, sin = rope.kernel_tables()
+    qkv = randn(5, (6 + 2 * 2) * head_dim, dtype=torch.bfloat16, seed=9)
+    positions = torch.tensor([0, 3, 77, 300, 511], device=DEVICE)
+    slots = torch.tensor([0, 17, 18, 40, 63], device=DEVICE)
+
+    def views(t):
+        return (t[:, :6 * head_dim].view(5, 6, head_dim),
+                t[:, 6 * head_dim:8 * head_dim].view(5, 2, head_dim),
+                t[:, 8 * head_dim:].view(5, 2, head_dim))
+
+    caches = [torch.zeros(4, 16, 2, head_dim, dtype=cache_dtype, device=DEVICE)
+              for _ in range(4)]
+    two = qkv.clone()
+    q, k, v = views(two)
+    triton_ops.rotary_(q, k, positions, cos, sin)
+    triton_ops.store_kv(k, v, caches[0], caches[1], slots)
+    one = qkv.clone()
+    q1, k1, v1 = views(one)
+    triton_ops.rotary_and_store_kv(q1, k1, v1, positions, cos, sin, caches[2], caches[3],
+                                   slots)
+    assert torch.equal(q1, q)
+    assert torch.equal(caches[2], caches[0]) and torch.equal(caches[3], caches[1])
+    assert torch.equal(one[:, 6 * head_dim:], qkv[:, 6 * head_dim:])  # k and v untouched
+    assert caches[2].view(-1, 2, head_dim)[slots].any()
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("d,k", [(96, 200), (100, 1100), (40, 64)])
 def test_gate_up_product_with_its_activation_gives_the_two_kernels_bits(

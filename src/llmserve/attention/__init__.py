@@ -1,6 +1,7 @@
 from llmserve.attention.backend import (
     AttentionBackend,
     AttentionContext,
+    Rope,
     get_attention_backend,
     list_attention_backends,
 )
@@ -10,6 +11,7 @@ __all__ = [
     "Attention",
     "AttentionBackend",
     "AttentionContext",
+    "Rope",
     "get_attention_backend",
     "list_attention_backends",
 ]

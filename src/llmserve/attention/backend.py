@@ -9,7 +9,7 @@ context. Backends are chosen by name from a small registry.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -35,6 +35,19 @@ class BatchLayout:
     block_size: int
 
 
+class Rope(NamedTuple):
+    """The rotary a backend applies to ``q`` and ``k`` before it stores the keys: the
+    layer's ``RotaryEmbedding`` (``rotary(positions, q, k) -> (q, k)``) and the step's
+    positions. A backend with a kernel that rotates and stores in one pass uses it there
+    (``rotary.kernel_tables()``); every other backend calls ``apply`` first."""
+
+    rotary: Any  # layers.rotary.RotaryEmbedding (imported by the models, not here)
+    positions: torch.Tensor  # [T] int64
+
+    def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rotary(self.positions, q, k)
+
+
 class AttentionBackend(Protocol):
     name: str
 
@@ -55,8 +68,10 @@ class AttentionBackend(Protocol):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: PagedKVCache, metadata: Any, scale: float,
-                window: int | None = None) -> torch.Tensor:
-        """``q``: [T, Hq, D]; ``k``, ``v``: [T, Hkv, D]; returns [T, Hq * D].
+                window: int | None = None, rope: Rope | None = None) -> torch.Tensor:
+        """``q``: [T, Hq, D]; ``k``, ``v``: [T, Hkv, D]; returns [T, Hq * D]. With ``rope``,
+        ``q`` and ``k`` are rotated first (``rope.apply``, or in the backend's store kernel:
+        the same arithmetic).
 
         ``kv_cache`` is the layer's paged cache (see ``kv_format`` for its layout and
         storage formats). ``window``: a sliding-window layer's span: a query at position p

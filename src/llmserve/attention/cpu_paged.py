@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from llmserve.attention.backend import BatchLayout, register_attention_backend
+from llmserve.attention.backend import BatchLayout, Rope, register_attention_backend
 from llmserve.attention.kv_format import PagedKVCache
 from llmserve.csrc import cpu_ops
 
@@ -60,7 +60,10 @@ class CpuPagedBackend:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: PagedKVCache, metadata: CpuPagedMetadata,
-                scale: float, window: int | None = None) -> torch.Tensor:
+                scale: float, window: int | None = None,
+                rope: Rope | None = None) -> torch.Tensor:
+        if rope is not None:
+            q, k = rope.apply(q, k)
         max_code = kv_cache.max_code or 0.0
         slots = metadata.slot_mapping
         self._ops.store_kv(k, kv_cache.key, kv_cache.key_scale, slots, max_code, True)

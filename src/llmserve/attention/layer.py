@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from llmserve.attention.backend import AttentionContext
+from llmserve.attention.backend import AttentionContext, Rope
 
 
 class Attention(nn.Module):
@@ -24,8 +24,10 @@ class Attention(nn.Module):
         self.sliding_window = sliding_window
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                ctx: AttentionContext) -> torch.Tensor:
-        """``q``: [T, Hq, D]; ``k``, ``v``: [T, Hkv, D] (rotary applied); returns [T, Hq*D]."""
+                ctx: AttentionContext, rope: Rope | None = None) -> torch.Tensor:
+        """``q``: [T, Hq, D]; ``k``, ``v``: [T, Hkv, D]; returns [T, Hq*D]. ``rope``: the
+        rotary still to apply to ``q`` and ``k`` (the backend may fuse it with the KV store);
+        None when they are rotated already."""
         i = self.layer_idx
         return ctx.backend.forward(q, k, v, ctx.kv_caches[i], ctx.metadata[i], self.scale,
-                                   self.sliding_window)
+                                   self.sliding_window, rope)

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from llmserve.attention.backend import BatchLayout, register_attention_backend
+from llmserve.attention.backend import BatchLayout, Rope, register_attention_backend
 from llmserve.attention.kv_format import PagedKVCache
 
 _QUERY_TILE = 128  # rows of a prefill chunk attended together
@@ -160,7 +160,10 @@ class TorchPagedBackend:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: PagedKVCache, metadata: TorchPagedMetadata,
-                scale: float, window: int | None = None) -> torch.Tensor:
+                scale: float, window: int | None = None,
+                rope: Rope | None = None) -> torch.Tensor:
+        if rope is not None:
+            q, k = rope.apply(q, k)
         kv_cache.store(metadata.slot_mapping, k, v)
         if len(metadata.groups) == 1:
             return _attend(q, kv_cache, metadata.groups[0], scale, window)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from llmserve.attention.backend import BatchLayout, register_attention_backend
+from llmserve.attention.backend import BatchLayout, Rope, register_attention_backend
 from llmserve.attention.kv_format import GPU_ONLY_KV_CACHE_DTYPES, KV_CACHE_DTYPES
 from llmserve.layers.gpu_kernels import gpu_ops_for
 
@@ -33,6 +33,9 @@ STAGES = 3  # of its key loop's software pipeline (Triton's default)
 # or by a second kernel ("kernel"): the same operations in the same order, so the same
 # bits; the switch is there to compare them. Read at call (or capture) time.
 FOLD = "fused"
+# The rotary and the KV store in one kernel (``triton_ops.rotary_and_store_kv``) where the
+# cache is stored as is; False: the rotary's kernel, then the store's. Read at call time.
+ROPE_STORE = True
 assert SEGMENT % BLOCK_N == 0, "a segment is whole key tiles"
 
 # name -> (storage dtype, largest code for scaled formats, or None when stored as is)
@@ -205,8 +208,9 @@ class TritonPagedBackend:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: TritonKVCache, metadata: TritonPagedMetadata,
-                scale: float, window: int | None = None) -> torch.Tensor:
-        kv_cache.store(metadata.slot_mapping, k, v)
+                scale: float, window: int | None = None,
+                rope: Rope | None = None) -> torch.Tensor:
+        q = self._rotate_and_store(q, k, v, kv_cache, metadata, rope)
         num_tokens, num_heads, head_dim = q.shape
         num_kv_heads = kv_cache.num_kv_heads
         group = num_heads // num_kv_heads
@@ -257,6 +261,23 @@ class TritonPagedBackend:
                 HEAD_DIM=head_dim, HEAD_P=head_p, SEGMENT=SEGMENT,
                 WINDOWED=window is not None, **launch)
         return out.view(num_tokens, num_heads * head_dim)
+
+    @staticmethod
+    def _rotate_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          kv_cache: TritonKVCache, metadata: TritonPagedMetadata,
+                          rope: Rope | None) -> torch.Tensor:
+        """The step's rotary, and its keys and values into the cache: one kernel on a GPU
+        where the cache needs no scales, else one after the other. Returns the rotated q."""
+        gpu = gpu_ops_for(k)
+        if (rope is not None and ROPE_STORE and gpu is not None
+                and kv_cache.key_scale is None and q.stride(-1) == 1 and k.stride(-1) == 1):
+            gpu.rotary_and_store_kv(q, k, v, rope.positions, *rope.rotary.kernel_tables(),
+                                    kv_cache.key, kv_cache.value, metadata.slot_mapping)
+            return q
+        if rope is not None:
+            q, k = rope.apply(q, k)
+        kv_cache.store(metadata.slot_mapping, k, v)
+        return q
 
 
 def _pow2(n: int) -> int:

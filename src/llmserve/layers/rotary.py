@@ -55,6 +55,11 @@ class RotaryEmbedding(nn.Module):
         """Drop the step's looked-up tables (before a CUDA graph captures the lookup)."""
         self._step = None
 
+    def kernel_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """What the GPU kernels take: cos of each position (either half), and sin with its
+        sign (the second half's), each [max_positions, D / 2]."""
+        return self.cos[:, 0], self.sin[:, 1]
+
     def forward(self, positions: torch.Tensor, q: torch.Tensor,
                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``positions``: [T] int64; ``q``: [T, Hq, D]; ``k``: [T, Hkv, D]. On CPU the
@@ -66,8 +71,7 @@ class RotaryEmbedding(nn.Module):
                 return q, k
         gpu = gpu_ops_for(q)
         if gpu is not None and q.stride(-1) == 1 and k.stride(-1) == 1:
-            # cos of each position (either half), and sin with its sign (second half)
-            gpu.rotary_(q, k, positions, self.cos[:, 0], self.sin[:, 1])
+            gpu.rotary_(q, k, positions, *self.kernel_tables())
             return q, k
         if self._step is None or self._step[0] is not positions:
             cos = self.cos.index_select(0, positions).unsqueeze(1)  # [T, 1, 2, D/2]

@@ -368,47 +368,87 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 @triton.jit
-def _rotate_heads(base, stride_h, heads, cos, sin, HALF: tl.constexpr, HEADS: tl.constexpr,
-                  HALF_P: tl.constexpr):
+def _rotate_heads(src, stride_h, dst, dst_stride_h, heads, cos, sin, HALF: tl.constexpr,
+                  HEADS: tl.constexpr, HALF_P: tl.constexpr):
+    """Each head's halves (x1, x2) of ``src`` become (x1 cos - x2 sin, x2 cos + x1 sin),
+    rounded to the source's dtype, at ``dst`` (``src`` itself: in place)."""
     h = tl.arange(0, HEADS)
     d = tl.arange(0, HALF_P)
     ok = (h[:, None] < heads) & (d[None, :] < HALF)
-    first = base + h[:, None] * stride_h + d[None, :]
+    first = src + h[:, None] * stride_h + d[None, :]
     x1 = tl.load(first, mask=ok, other=0.0)
     x2 = tl.load(first + HALF, mask=ok, other=0.0)
     a, b = x1.to(tl.float32), x2.to(tl.float32)
-    tl.store(first, (a * cos[None, :] - b * sin[None, :]).to(x1.dtype), mask=ok)
-    tl.store(first + HALF, (b * cos[None, :] + a * sin[None, :]).to(x1.dtype), mask=ok)
+    out = dst + h[:, None] * dst_stride_h + d[None, :]
+    tl.store(out, (a * cos[None, :] - b * sin[None, :]).to(x1.dtype)
+             .to(dst.dtype.element_ty), mask=ok)
+    tl.store(out + HALF, (b * cos[None, :] + a * sin[None, :]).to(x1.dtype)
+             .to(dst.dtype.element_ty), mask=ok)
 
 
 @triton.jit
-def _rotary_kernel(q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, stride_qt, stride_qh,
-                   stride_kt, stride_kh, stride_table, num_q_heads, num_k_heads,
-                   HALF: tl.constexpr, HEADS: tl.constexpr, HALF_P: tl.constexpr,
-                   PDL: tl.constexpr):
-    """One token, in place: each head's halves (x1, x2) become (x1 cos - x2 sin,
-    x2 cos + x1 sin) at the token's position."""
+def _rotary_kernel(q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
+                   stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                   stride_table, num_q_heads, num_k_heads, HALF: tl.constexpr,
+                   HEADS: tl.constexpr, HALF_P: tl.constexpr, DIM_P: tl.constexpr,
+                   STORE: tl.constexpr, PDL: tl.constexpr):
+    """One token: each head's halves (x1, x2) become (x1 cos - x2 sin, x2 cos + x1 sin) at
+    the token's position, in place; with STORE the keys go rotated to the key cache instead
+    (``k`` is left as it was) and the values to the value cache, at the token's slot, as
+    ``_store_kv_kernel`` writes them (caches [slots, Hkv, D] contiguous)."""
     wait_for_inputs(PDL)
     t = tl.program_id(0)
     pos = tl.load(pos_ptr + t)
     d = tl.arange(0, HALF_P)
     cos = tl.load(cos_ptr + pos * stride_table + d, mask=d < HALF, other=0.0)
     sin = tl.load(sin_ptr + pos * stride_table + d, mask=d < HALF, other=0.0)
-    _rotate_heads(q_ptr + t * stride_qt, stride_qh, num_q_heads, cos, sin, HALF, HEADS, HALF_P)
-    _rotate_heads(k_ptr + t * stride_kt, stride_kh, num_k_heads, cos, sin, HALF, HEADS, HALF_P)
+    q = q_ptr + t * stride_qt
+    _rotate_heads(q, stride_qh, q, stride_qh, num_q_heads, cos, sin, HALF, HEADS, HALF_P)
+    k = k_ptr + t * stride_kt
+    if STORE:
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        dst = slot * num_k_heads * (2 * HALF)
+        _rotate_heads(k, stride_kh, kc_ptr + dst, 2 * HALF, num_k_heads, cos, sin, HALF,
+                      HEADS, HALF_P)
+        h = tl.arange(0, HEADS)
+        dims = tl.arange(0, DIM_P)
+        ok = (h[:, None] < num_k_heads) & (dims[None, :] < 2 * HALF)
+        v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + dims[None, :], mask=ok)
+        tl.store(vc_ptr + dst + h[:, None] * (2 * HALF) + dims[None, :],
+                 v.to(vc_ptr.dtype.element_ty), mask=ok)
+    else:
+        _rotate_heads(k, stride_kh, k, stride_kh, num_k_heads, cos, sin, HALF, HEADS, HALF_P)
 
 
 def rotary_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
             sin: torch.Tensor) -> None:
     """Rotate ``q`` [T, Hq, D] and ``k`` [T, Hkv, D] in place; ``cos``/``sin``
     [max_positions, D / 2] float32."""
+    _rotary(q, k, positions, cos, sin, None)
+
+
+def rotary_and_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                        key_cache: torch.Tensor, value_cache: torch.Tensor,
+                        slots: torch.Tensor) -> None:
+    """``rotary_`` of ``q``, and ``store_kv`` of the rotated ``k`` and of ``v`` into caches
+    [blocks, block_size, Hkv, D] at ``slots`` [T], in one launch with the same bits (``k``
+    itself is not rotated: the caches hold it)."""
+    _rotary(q, k, positions, cos, sin, (v, key_cache, value_cache, slots))
+
+
+def _rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+            sin: torch.Tensor, store: tuple[torch.Tensor, ...] | None) -> None:
     tokens, num_q, dim = q.shape
-    if tokens:
-        _rotary_kernel[(tokens,)](
-            q, k, positions, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-            cos.stride(0), num_q, k.shape[1], HALF=dim // 2,
-            HEADS=triton.next_power_of_2(max(num_q, k.shape[1])),
-            HALF_P=triton.next_power_of_2(dim // 2), **pdl_launch(pdl_for(q)))
+    if not tokens:
+        return
+    v, key_cache, value_cache, slots = store if store is not None else (k, k, k, positions)
+    _rotary_kernel[(tokens,)](
+        q, k, positions, cos, sin, v, key_cache, value_cache, slots, q.stride(0), q.stride(1),
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0), num_q, k.shape[1],
+        HALF=dim // 2, HEADS=triton.next_power_of_2(max(num_q, k.shape[1])),
+        HALF_P=triton.next_power_of_2(dim // 2), DIM_P=triton.next_power_of_2(dim),
+        STORE=store is not None, **pdl_launch(pdl_for(q)))
 
 
 @triton.jit

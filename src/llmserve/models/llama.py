@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from llmserve.attention import Attention, AttentionContext
+from llmserve.attention import Attention, AttentionContext, Rope
 from llmserve.layers.linear import Linear, MergedLinear, VocabEmbedding
 from llmserve.layers.norm import RMSNorm
 from llmserve.layers.quantization import WeightFormat
@@ -54,8 +54,8 @@ class LlamaAttention(nn.Module):
             q = q.view(-1, self.num_heads, d)
             k = k.view(-1, self.num_kv_heads, d)
         v = v.view(-1, self.num_kv_heads, d)
-        q, k = self.rotary(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, ctx))
+        # The backend rotates q and k (on a GPU in the kernel that stores the keys).
+        return self.o_proj(self.attn(q, k, v, ctx, Rope(self.rotary, positions)))
 
 
 class LlamaMLP(nn.Module):
