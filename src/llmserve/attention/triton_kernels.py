@@ -234,15 +234,16 @@ def _fold_rows(token, head, valid, position, part_start_ptr, part_m_ptr, part_l_
     last = position // SEGMENT
     start = tl.load(part_start_ptr + token, mask=valid, other=0).to(tl.int64)
     base = start * num_heads + head  # entry of segment s: base + s * num_heads
+    reached = tl.minimum(tl.max(tl.where(valid, last, 0), 0) + 1, num_segments)
     m_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    for s in range(0, num_segments):
+    for s in range(0, reached):
         reach = valid & (s >= first) & (s <= last)
         m = tl.load(part_m_ptr + base + s * num_heads, mask=reach, other=0.0,
                     cache_modifier=".cg")
         m_max = tl.where(reach, tl.where(s == first, m, tl.maximum(m_max, m)), m_max)
     total = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_P], tl.float32)
-    for s in range(0, num_segments):
+    for s in range(0, reached):
         reach = valid & (s >= first) & (s <= last)
         part = base + s * num_heads
         w = tl.exp(tl.load(part_m_ptr + part, mask=reach, other=0.0, cache_modifier=".cg")
