@@ -59,10 +59,10 @@ VARIANTS = {
     "attn-w8": {"attn_warps": 8},
     "attn-bn128-w8": {"attn_block_n": 128, "attn_warps": 8},
     "attn-bn256-w8": {"attn_block_n": 256, "attn_warps": 8},
-    "mlp-two-kernels": {"gated_linear": False},  # the gate/up product, then silu_and_mul
-    "fold-kernel": {"attn_fold": "kernel"},  # split attention folded by a second kernel
+    "mlp-two-kernels": {"gated_linear": "off"},  # the gate/up product, then silu_and_mul
+    "gated-pairs": {"gated_linear": "pairs"},  # gate and up rows interleaved in one product
     "rope-then-store": {"rope_store": False},  # the rotary's kernel, then the KV store's
-    "unfused-3": {"gated_linear": False, "attn_fold": "kernel", "rope_store": False},
+    "unfused": {"gated_linear": "off", "rope_store": False},
 }
 
 
@@ -70,8 +70,8 @@ def apply_variant(v: dict) -> None:
     """Module knobs read at call or capture time: programmatic dependent launch, the linear's
     warps and stages, the head in the graphs, when a split linear sums its parts in one
     program per tile, the split-K tiling, the attention's keys per tile and segment, warps
-    and stages per program, the MLP's activation in the gate/up product, the attention's
-    segments folded in its own launch, and the rotary in the KV store's kernel."""
+    and stages per program, the MLP's activation in the gate/up product, and the rotary in the KV
+    store's kernel."""
     triton_ops.PDL = v.get("pdl", envs.LLMSERVE_PDL)
     triton_ops.IN_ORDER_TILES = v.get("in_order_tiles", _IN_ORDER_TILES)
     triton_ops.TILES_PER_SM = v.get("tiles_per_sm", 2)
@@ -84,8 +84,7 @@ def apply_variant(v: dict) -> None:
     triton_paged.SEGMENT = v.get("attn_segment", 512)
     triton_paged.WARPS = v.get("attn_warps", 4)
     triton_paged.STAGES = v.get("attn_stages", 3)
-    triton_ops.GATED_LINEAR = v.get("gated_linear", True)
-    triton_paged.FOLD = v.get("attn_fold", "fused")
+    triton_ops.GATED_LINEAR = v.get("gated_linear", "halves")
     triton_paged.ROPE_STORE = v.get("rope_store", True)
 
 

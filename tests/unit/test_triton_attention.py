@@ -204,36 +204,6 @@ def test_partials_hold_only_the_segments_each_row_reaches():
     assert meta.part_start.tolist() == list(range(41))
 
 
-@pytest.mark.parametrize("window", [None, 100, SEGMENT + 10])
-def test_segments_folded_in_the_kernel_give_the_second_kernels_bits(window, monkeypatch):
-    """The last of a tile's segment programs folds the tile's rows (one launch) with the
-    operations of ``combine_segments_kernel`` (a second launch): the same bits, eagerly and
-    with a graph's metadata, and the counters are left at 0 for the next call."""
-    from llmserve.attention import triton_paged
-    from llmserve.layers import triton_ops
-
-    batch = Batch(MIXED, 6, 2, 32, "bfloat16", torch.bfloat16, seed=6)
-    results = {}
-    for fold in ("kernel", "fused"):
-        monkeypatch.setattr(triton_paged, "FOLD", fold)
-        results[fold] = batch.run(window=window)
-    assert torch.equal(results["fused"], results["kernel"])
-    decodes = [(40, 1), (2 * SEGMENT + 30, 1), (3, 1)]
-    batch = Batch(decodes, 6, 2, 32, "bfloat16", torch.bfloat16, seed=7)
-    backend = TritonPagedBackend()
-    layout, rows = batch.layout()
-    seq_lens = torch.tensor(layout.seq_lens, dtype=torch.int32, device=DEVICE)
-    for fold in ("kernel", "fused"):
-        monkeypatch.setattr(triton_paged, "FOLD", fold)
-        meta = backend.build_graph_metadata(layout, seq_lens, max_seq_len=4 * SEGMENT)
-        results[fold] = backend.forward(batch.q[rows], batch.k[rows], batch.v[rows],
-                                        batch.cache, meta, batch.d ** -0.5, window)
-    assert torch.equal(results["fused"], results["kernel"])
-    assert rel_err(results["fused"], batch.reference(window)) < 1e-2
-    for counters in triton_ops._COUNTERS.get(DEVICE, []):
-        assert not counters.any()
-
-
 def test_rotary_in_the_kv_store_gives_the_bits_of_rotating_first(monkeypatch):
     """With the step's rotary passed down, the backend rotates q and k in the kernel that
     stores the keys (here run under the interpreter as the GPU would): the output and the

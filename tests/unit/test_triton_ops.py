@@ -6,6 +6,7 @@ test_triton_attention.py); on a GPU the same tests run on CUDA.
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import pytest
@@ -236,15 +237,18 @@ def test_gate_up_product_with_its_activation_gives_the_two_kernels_bits(
         dtype, d, k, monkeypatch, few_multiprocessors):
     """One launch writes silu(gate) * up of a gate/up weight: the bits of the product
     followed by silu_and_mul, whether the weight splits over its inputs (parts added by
-    the last program, or in one program per tile) or not, alone and in any batch."""
+    the last program, or in one program per tile) or not, alone and in any batch, with
+    the tile's gate and up rows in two products or interleaved in one."""
     w = randn(2 * d, k, dtype=dtype, seed=21)
     x = randn(70, k, dtype=dtype, seed=22)
     splits = triton_ops.linear_config(2 * d, k)[3]
-    for ordered in ((False, True) if splits > 1 else (False,)):
+    for mode, ordered in itertools.product(
+            ("halves", "pairs"), (False, True) if splits > 1 else (False,)):
+        monkeypatch.setattr(triton_ops, "GATED_LINEAR", mode)
         monkeypatch.setattr(triton_ops, "IN_ORDER_TILES", 1 if ordered else 1 << 30)
         two = triton_ops.silu_and_mul(triton_ops.linear(x, w))
         one = triton_ops.linear_silu_and_mul(x, w)
-        assert one.shape == (70, d) and torch.equal(one, two), (splits, ordered)
+        assert one.shape == (70, d) and torch.equal(one, two), (mode, splits, ordered)
         for rows in ([0], [3, 4, 5], [69]):
             assert torch.equal(triton_ops.linear_silu_and_mul(x[rows], w), one[rows]), rows
         for counters in triton_ops._COUNTERS.get(x.device, []):

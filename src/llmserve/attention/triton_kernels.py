@@ -11,11 +11,10 @@ softmax in float32. Every row's arithmetic depends on its own position alone:
   (its maximum stays, its rescale factor is exp(0) = 1, it adds exact zeros), so a row
   batched with longer rows (a prefill chunk, a longer sequence) gets the same bits as alone;
 - contexts longer than one segment are always split the same way (split-K): each segment
-  writes its partial maximum, sum and output, and a row's segments are folded in order: by
-  the last of the tile's segment programs to finish (``FOLD``, one launch), or by
-  ``combine_segments_kernel`` (a second launch), with the same operations. A row of one
-  segment folded that way gives the bits of writing it directly (its weight is exp(0) =
-  1), which the kernel does when every row of a step fits one segment.
+  writes its partial maximum, sum and output, and ``_combine_segments`` folds a row's
+  segments in order. A row of one segment folded that way gives the bits of writing it
+  directly (its weight is exp(0) = 1), which the kernel does when every row of a step fits
+  one segment.
 
 Both kernels wait for the kernel before them first (``wait_for_inputs``: programmatic
 dependent launch on Hopper and later, see ``layers/triton_ops.py``).
@@ -34,12 +33,7 @@ import os
 import triton
 import triton.language as tl
 
-from llmserve.layers.triton_ops import (  # noqa: F401
-    pdl_for,
-    pdl_launch,
-    tile_counters,
-    wait_for_inputs,
-)
+from llmserve.layers.triton_ops import pdl_for, pdl_launch, wait_for_inputs  # noqa: F401
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
@@ -56,7 +50,7 @@ def _dot(a, b, UPCAST: tl.constexpr):
 def paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_ptr, tile_seq_ptr, tile_first_ptr,
-    out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, part_start_ptr, count_ptr,
+    out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, part_start_ptr,
     scale, window,
     stride_qt, stride_qh,
     stride_ot, stride_oh,
@@ -68,19 +62,15 @@ def paged_attention_kernel(
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_Q: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, SEGMENT: tl.constexpr,
-    SCALED: tl.constexpr, WINDOWED: tl.constexpr, SPLIT: tl.constexpr, FOLD: tl.constexpr,
-    UPCAST: tl.constexpr, PDL: tl.constexpr,
+    SCALED: tl.constexpr, WINDOWED: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Grid: (query tiles, KV heads, segments). ``tile_seq``/``tile_first``: each tile's
     sequence and first token (a row of the flat batch); ``seq_lens``: each sequence's
     context after this step; ``query_start``: [B + 1] first token of each sequence.
     With SPLIT, token t's partials for segment s are at entry ``part_start[t] + s`` of
     [entries, query heads] (maximum, sum) and [entries, query heads, HEAD_P] (output):
-    a token has entries for segments 0 .. position // SEGMENT only. With FOLD the last of a
-    (tile, KV head)'s segment programs to finish folds its rows' partials, as
-    ``combine_segments_kernel`` would (the same operations in the same order): it counts the
-    finished segments in ``count_ptr[tile * KV heads + KV head]`` (int32, 0 before the
-    launch and left at 0)."""
+    a token has entries for segments 0 .. position // SEGMENT only."""
     wait_for_inputs(PDL)
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_P
     tile = tl.program_id(0)
@@ -164,18 +154,6 @@ def paged_attention_kernel(
         tl.store(part_l_ptr + part, l_i, mask=has)
         tl.store(part_acc_ptr + part[:, None] * HEAD_P + dims[None, :], acc,
                  mask=has[:, None])
-        if FOLD:
-            # As the split linear's parts (layers/triton_ops.py): the stores are released
-            # by the count's atomic, and the last program acquires them all (.cg reads).
-            tl.debug_barrier()
-            counter = tile * tl.num_programs(1) + kv_head
-            done = tl.atomic_add(count_ptr + counter, 1, sem="acq_rel", scope="gpu")
-            if done == tl.num_programs(2) - 1:
-                _fold_rows(token, q_head, valid, position, part_start_ptr, part_m_ptr,
-                           part_l_ptr, part_acc_ptr, out_ptr, window, num_heads,
-                           tl.num_programs(2), stride_ot, stride_oh, BLOCK_M, HEAD_DIM,
-                           HEAD_P, SEGMENT, WINDOWED)
-                tl.atomic_xchg(count_ptr + counter, 0, sem="relaxed", scope="gpu")
     else:
         out = acc / l_i[:, None]
         tl.store(out_ptr + token[:, None] * stride_ot + q_head[:, None] * stride_oh
@@ -217,42 +195,3 @@ def combine_segments_kernel(
     out = acc / total
     tl.store(out_ptr + token * stride_ot + head * stride_oh + dims,
              out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
-
-
-@triton.jit
-def _fold_rows(token, head, valid, position, part_start_ptr, part_m_ptr, part_l_ptr,
-               part_acc_ptr, out_ptr, window, num_heads, num_segments, stride_ot, stride_oh,
-               BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_P: tl.constexpr,
-               SEGMENT: tl.constexpr, WINDOWED: tl.constexpr):
-    """``combine_segments_kernel`` for a tile's rows at once: each row folds its segments
-    first .. last, in order, with the operations of that kernel (a row's state is left as
-    it is at the segments it does not reach)."""
-    dims = tl.arange(0, HEAD_P)
-    first = tl.zeros_like(position)
-    if WINDOWED:
-        first = tl.maximum(position - window + 1, 0) // SEGMENT
-    last = position // SEGMENT
-    start = tl.load(part_start_ptr + token, mask=valid, other=0).to(tl.int64)
-    base = start * num_heads + head  # entry of segment s: base + s * num_heads
-    reached = tl.minimum(tl.max(tl.where(valid, last, 0), 0) + 1, num_segments)
-    m_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    for s in range(0, reached):
-        reach = valid & (s >= first) & (s <= last)
-        m = tl.load(part_m_ptr + base + s * num_heads, mask=reach, other=0.0,
-                    cache_modifier=".cg")
-        m_max = tl.where(reach, tl.where(s == first, m, tl.maximum(m_max, m)), m_max)
-    total = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_P], tl.float32)
-    for s in range(0, reached):
-        reach = valid & (s >= first) & (s <= last)
-        part = base + s * num_heads
-        w = tl.exp(tl.load(part_m_ptr + part, mask=reach, other=0.0, cache_modifier=".cg")
-                   - m_max)
-        l_w = tl.load(part_l_ptr + part, mask=reach, other=0.0, cache_modifier=".cg") * w
-        a_w = tl.load(part_acc_ptr + part[:, None] * HEAD_P + dims[None, :],
-                      mask=reach[:, None], other=0.0, cache_modifier=".cg") * w[:, None]
-        total = tl.where(reach, tl.where(s == first, l_w, total + l_w), total)
-        acc = tl.where(reach[:, None], tl.where((s == first)[:, None], a_w, acc + a_w), acc)
-    out = acc / total[:, None]
-    tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=valid[:, None] & (dims < HEAD_DIM)[None, :])

@@ -8,10 +8,10 @@ copy each, which CUDA graphs capture.
 
 Attention itself is ``triton_kernels.paged_attention_kernel``: prefill chunks, decodes and
 speculative verification rows in one launch, each query tile reading only the blocks its
-rows can see; contexts longer than ``SEGMENT`` keys are split over programs (split-K), and
-the last program of a tile's segments to finish folds them (``FOLD``). The kernels'
-docstring says why a row gets the same bits alone and in any batch. This module imports
-Triton on construction only: the CPU backends never need it.
+rows can see; contexts longer than ``SEGMENT`` keys are split over programs (split-K) and
+folded by a second kernel. The kernels' docstring says why a row gets the same bits alone
+and in any batch. This module imports Triton on construction only: the CPU backends never
+need it.
 """
 
 from __future__ import annotations
@@ -29,10 +29,6 @@ BLOCK_N = 64  # keys per tile
 BLOCK_M = 64  # query rows per program: BLOCK_Q tokens x the query heads of one KV head
 WARPS = 4  # per program of the attention kernel
 STAGES = 3  # of its key loop's software pipeline (Triton's default)
-# A split context's segments are folded by the last of their programs to finish ("fused"),
-# or by a second kernel ("kernel"): the same operations in the same order, so the same
-# bits; the switch is there to compare them. Read at call (or capture) time.
-FOLD = "fused"
 # The rotary and the KV store in one kernel (``triton_ops.rotary_and_store_kv``) where the
 # cache is stored as is; False: the rotary's kernel, then the store's. Read at call time.
 ROPE_STORE = True
@@ -231,9 +227,6 @@ class TritonPagedBackend:
             part_start = metadata.part_start
         else:
             part_m = part_l = part_acc = part_start = out  # unused
-        fold = metadata.split and FOLD == "fused"
-        counters = (self._kernels.tile_counters(q.device, num_tiles * num_kv_heads) if fold
-                    else metadata.seq_lens)
         scaled = kv_cache.key_scale is not None
         k_scale = kv_cache.key_scale if scaled else kv_cache.key
         v_scale = kv_cache.value_scale if scaled else kv_cache.value
@@ -243,7 +236,7 @@ class TritonPagedBackend:
         kern.paged_attention_kernel[(num_tiles, num_kv_heads, nseg)](
             q, key, value, k_scale, v_scale,
             metadata.block_tables, metadata.seq_lens, metadata.query_start, tile_seq,
-            tile_first, out, part_m, part_l, part_acc, part_start, counters,
+            tile_first, out, part_m, part_l, part_acc, part_start,
             scale, window or 0,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             key.stride(0), key.stride(1), key.stride(2),
@@ -252,9 +245,9 @@ class TritonPagedBackend:
             metadata.block_tables.stride(0), num_heads,
             GROUP=group, GROUP_P=group_p, BLOCK_Q=block_q, HEAD_DIM=head_dim, HEAD_P=head_p,
             BLOCK_SIZE=kv_cache.block_size, BLOCK_N=BLOCK_N, SEGMENT=SEGMENT, SCALED=scaled,
-            WINDOWED=window is not None, SPLIT=metadata.split, FOLD=fold,
-            UPCAST=kern.INTERPRETED, num_warps=WARPS, num_stages=STAGES, **launch)
-        if metadata.split and not fold:
+            WINDOWED=window is not None, SPLIT=metadata.split, UPCAST=kern.INTERPRETED,
+            num_warps=WARPS, num_stages=STAGES, **launch)
+        if metadata.split:
             kern.combine_segments_kernel[(num_tokens, num_heads)](
                 metadata.positions, part_m, part_l, part_acc, part_start, out, window or 0,
                 num_heads, out.stride(0), out.stride(1),
