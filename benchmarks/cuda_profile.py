@@ -38,6 +38,7 @@ from llmserve.runner import cuda_graphs
 from llmserve.sampling_params import SamplingParams
 
 _IN_ORDER_TILES = triton_ops.IN_ORDER_TILES
+_GATED_MAX_ROWS = triton_ops.GATED_MAX_ROWS
 VARIANTS = {
     "default": {},
     "no-pdl": {"pdl": False},
@@ -59,10 +60,10 @@ VARIANTS = {
     "attn-w8": {"attn_warps": 8},
     "attn-bn128-w8": {"attn_block_n": 128, "attn_warps": 8},
     "attn-bn256-w8": {"attn_block_n": 256, "attn_warps": 8},
-    "mlp-two-kernels": {"gated_linear": "off"},  # the gate/up product, then silu_and_mul
-    "gated-pairs": {"gated_linear": "pairs"},  # gate and up rows interleaved in one product
+    "mlp-two-kernels": {"gated_max_rows": 0},  # the gate/up product, then silu_and_mul
+    "mlp-one-kernel": {"gated_max_rows": 1 << 30},  # silu(gate) * up in the product's kernel
     "rope-then-store": {"rope_store": False},  # the rotary's kernel, then the KV store's
-    "unfused": {"gated_linear": "off", "rope_store": False},
+    "unfused": {"gated_max_rows": 0, "rope_store": False},
 }
 
 
@@ -84,7 +85,7 @@ def apply_variant(v: dict) -> None:
     triton_paged.SEGMENT = v.get("attn_segment", 512)
     triton_paged.WARPS = v.get("attn_warps", 4)
     triton_paged.STAGES = v.get("attn_stages", 3)
-    triton_ops.GATED_LINEAR = v.get("gated_linear", "halves")
+    triton_ops.GATED_MAX_ROWS = v.get("gated_max_rows", _GATED_MAX_ROWS)
     triton_paged.ROPE_STORE = v.get("rope_store", True)
 
 
@@ -108,6 +109,8 @@ def main() -> None:
                     help=f"comma-separated, of {', '.join(VARIANTS)}")
     ap.add_argument("--rounds", type=int, default=1,
                     help="measure the variants this many times over, alternating")
+    ap.add_argument("--sizes", default="1,64",
+                    help="batch sizes whose graph replay is timed (captured: up to 64)")
     args = ap.parse_args()
     chosen = args.variants.split(",")
     if unknown := set(chosen) - set(VARIANTS):
@@ -121,9 +124,10 @@ def main() -> None:
         core = cb.engine(path, "cuda", False, max_num_seqs=64)
         cb.run_batch(core, [prompt], 8, "cuda", "warm")
         single = cb.run_batch(core, [prompt], 128, "cuda", "single")
-        row = {"replay_ms_b1": replay_ms(core, 1), "replay_ms_b64": replay_ms(core, 64),
-               "single_tok_s": single["decode_tok_s"],
-               "prefill_4096_tok_s": cb.prefill_speed(core, 4096, "cuda")}
+        row = {f"replay_ms_b{size}": replay_ms(core, int(size))
+               for size in args.sizes.split(",")}
+        row |= {"single_tok_s": single["decode_tok_s"],
+                "prefill_4096_tok_s": cb.prefill_speed(core, 4096, "cuda")}
         results["variants"][name].append(row)
         print(name, json.dumps(row), flush=True)
         if name == "default" and round_ == 0 and not args.no_kernels:

@@ -6,7 +6,6 @@ test_triton_attention.py); on a GPU the same tests run on CUDA.
 
 from __future__ import annotations
 
-import itertools
 import os
 
 import pytest
@@ -237,18 +236,17 @@ def test_gate_up_product_with_its_activation_gives_the_two_kernels_bits(
         dtype, d, k, monkeypatch, few_multiprocessors):
     """One launch writes silu(gate) * up of a gate/up weight: the bits of the product
     followed by silu_and_mul, whether the weight splits over its inputs (parts added by
-    the last program, or in one program per tile) or not, alone and in any batch, with
-    the tile's gate and up rows in two products or interleaved in one."""
+    the last program, or in one program per tile) or not, alone and in any batch. So the
+    row count may choose between them (``GATED_MAX_ROWS``)."""
+    monkeypatch.setattr(triton_ops, "GATED_MAX_ROWS", 1 << 30)
     w = randn(2 * d, k, dtype=dtype, seed=21)
     x = randn(70, k, dtype=dtype, seed=22)
     splits = triton_ops.linear_config(2 * d, k)[3]
-    for mode, ordered in itertools.product(
-            ("halves", "pairs"), (False, True) if splits > 1 else (False,)):
-        monkeypatch.setattr(triton_ops, "GATED_LINEAR", mode)
+    for ordered in ((False, True) if splits > 1 else (False,)):
         monkeypatch.setattr(triton_ops, "IN_ORDER_TILES", 1 if ordered else 1 << 30)
         two = triton_ops.silu_and_mul(triton_ops.linear(x, w))
         one = triton_ops.linear_silu_and_mul(x, w)
-        assert one.shape == (70, d) and torch.equal(one, two), (mode, splits, ordered)
+        assert one.shape == (70, d) and torch.equal(one, two), (splits, ordered)
         for rows in ([0], [3, 4, 5], [69]):
             assert torch.equal(triton_ops.linear_silu_and_mul(x[rows], w), one[rows]), rows
         for counters in triton_ops._COUNTERS.get(x.device, []):
@@ -256,6 +254,21 @@ def test_gate_up_product_with_its_activation_gives_the_two_kernels_bits(
     ref = x.double() @ w.double().T
     ref = F.silu(ref[:, :d]) * ref[:, d:]
     assert rel_err(one, ref) < (2e-3 if dtype == torch.float32 else 2e-2)
+
+
+def test_gate_up_product_past_the_row_limit_runs_two_kernels(monkeypatch):
+    """Past GATED_MAX_ROWS rows the product and silu_and_mul run as two kernels (counted
+    here); the bits are the same either way."""
+    w = randn(128, 256, dtype=torch.bfloat16, seed=25)
+    x = randn(9, 256, dtype=torch.bfloat16, seed=26)
+    launched, silu_and_mul = [], triton_ops.silu_and_mul
+    monkeypatch.setattr(triton_ops, "silu_and_mul",
+                        lambda y: launched.append(y.shape) or silu_and_mul(y))
+    monkeypatch.setattr(triton_ops, "GATED_MAX_ROWS", 8)
+    past = triton_ops.linear_silu_and_mul(x, w)
+    within = triton_ops.linear_silu_and_mul(x[:8], w)
+    assert launched == [(9, 128)]
+    assert torch.equal(within, past[:8])
 
 
 def test_gate_up_product_with_two_kernels_when_the_parts_add_in_a_kernel(monkeypatch):

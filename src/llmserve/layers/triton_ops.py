@@ -66,10 +66,12 @@ PDL = envs.LLMSERVE_PDL  # read at call time, like SPLITK_REDUCE
 # and benchmarks can switch it. On an H200, 4096 rows: 1.3-2.0x faster than the parts in
 # programs of their own (BENCHMARKS.md, session 38); 1024 rows (below it) not yet tried.
 IN_ORDER_TILES = 4 * TILES_PER_SM * _SMS
-# How the gate/up projection writes silu(gate) * up itself (``linear_silu_and_mul``):
-# "halves" (a tile's gate and up rows in two products), "pairs" (interleaved in one), or
-# "off" (the product, then a second kernel), to compare them. Read at call time.
-GATED_LINEAR = "halves"
+# The gate/up projection of at most this many rows writes silu(gate) * up itself
+# (``linear_silu_and_mul``: the same bits as the product and a second kernel, so the
+# choice may follow the row count). H100: 16 us less a batch-1 step of a 1B model, 96 us
+# more at 64 rows, where its epilogue costs more than the launch it saves (BENCHMARKS.md,
+# session 44). 0: always two kernels. Read at call time.
+GATED_MAX_ROWS = 8
 
 
 @functools.cache
@@ -209,72 +211,6 @@ def _linear_kernel(a_ptr, w_ptr, c_ptr, part_ptr, count_ptr, M, N, K, k_per_spli
         _store_tile(c_ptr, acc, rm, M, col, n_ok, stride_cm, GATED, BLOCK_M, BLOCK_N)
 
 
-@triton.jit
-def _store_gated(c_ptr, gate, up, rm, M, col, col_ok, stride_cm):
-    """``silu(gate) * up`` of a tile's gate and up sums, computed as ``silu_and_mul``
-    computes it from the rounded products, to C."""
-    g = gate.to(c_ptr.dtype.element_ty).to(tl.float32)
-    u = up.to(c_ptr.dtype.element_ty).to(tl.float32)
-    out = g / (1.0 + tl.exp(-g)) * u
-    tl.store(c_ptr + rm[:, None] * stride_cm + col[None, :], out.to(c_ptr.dtype.element_ty),
-             mask=(rm[:, None] < M) & col_ok[None, :])
-
-
-@triton.jit(do_not_specialize=["M"])
-def _gated_linear_kernel(a_ptr, w_ptr, c_ptr, part_ptr, count_ptr, M, N, K, k_per_split,
-                         stride_am, stride_wn, stride_cm, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr,
-                         IN_ORDER: tl.constexpr, FUSED: tl.constexpr, UPCAST: tl.constexpr,
-                         PDL: tl.constexpr):
-    """C [M, N / 2] = silu(gate) * up of A [M, K] @ W [N, K]^T, W a fused gate/up projection:
-    program (., j) sums the gate rows and the up rows of BLOCK_N / 2 outputs as
-    ``_linear_kernel`` sums columns (the same parts, in the same order; the partials in the
-    product's [M, N] layout), then writes their activation."""
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    half = N // 2
-    col = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-    col_ok = col < half
-    wait_for_inputs(PDL)
-    if IN_ORDER:
-        gate = _sum_part(a_ptr, w_ptr, rm, col, col_ok, M, K, k_per_split, 0, stride_am,
-                         stride_wn, BLOCK_M, BLOCK_N // 2, BLOCK_K, UPCAST)
-        up = _sum_part(a_ptr, w_ptr, rm, half + col, col_ok, M, K, k_per_split, 0, stride_am,
-                       stride_wn, BLOCK_M, BLOCK_N // 2, BLOCK_K, UPCAST)
-        for s in range(1, SPLITS):
-            gate += _sum_part(a_ptr, w_ptr, rm, col, col_ok, M, K, k_per_split, s, stride_am,
-                              stride_wn, BLOCK_M, BLOCK_N // 2, BLOCK_K, UPCAST)
-            up += _sum_part(a_ptr, w_ptr, rm, half + col, col_ok, M, K, k_per_split, s,
-                            stride_am, stride_wn, BLOCK_M, BLOCK_N // 2, BLOCK_K, UPCAST)
-        _store_gated(c_ptr, gate, up, rm, M, col, col_ok, stride_cm)
-    else:  # one part per program (FUSED: the last adds the tile's parts), or one part
-        split = tl.program_id(2)
-        gate = _sum_part(a_ptr, w_ptr, rm, col, col_ok, M, K, k_per_split, split, stride_am,
-                         stride_wn, BLOCK_M, BLOCK_N // 2, BLOCK_K, UPCAST)
-        up = _sum_part(a_ptr, w_ptr, rm, half + col, col_ok, M, K, k_per_split, split,
-                       stride_am, stride_wn, BLOCK_M, BLOCK_N // 2, BLOCK_K, UPCAST)
-        if SPLITS > 1:
-            ok = (rm[:, None] < M) & col_ok[None, :]
-            parts = part_ptr + rm[:, None] * N + col[None, :]  # gate; up half columns on
-            tl.store(parts + split * M * N, gate, mask=ok)
-            tl.store(parts + split * M * N + half, up, mask=ok)
-            tl.debug_barrier()  # as in _linear_kernel
-            tile = pid_m * tl.num_programs(1) + pid_n
-            done = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
-            if done == SPLITS - 1:
-                gate = tl.load(parts, mask=ok, other=0.0, cache_modifier=".cg")
-                up = tl.load(parts + half, mask=ok, other=0.0, cache_modifier=".cg")
-                for s in tl.static_range(1, SPLITS):
-                    gate += tl.load(parts + s * M * N, mask=ok, other=0.0,
-                                    cache_modifier=".cg")
-                    up += tl.load(parts + s * M * N + half, mask=ok, other=0.0,
-                                  cache_modifier=".cg")
-                _store_gated(c_ptr, gate, up, rm, M, col, col_ok, stride_cm)
-                tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
-        else:
-            _store_gated(c_ptr, gate, up, rm, M, col, col_ok, stride_cm)
-
-
 @triton.jit(do_not_specialize=["M"])
 def _sum_splits_kernel(part_ptr, c_ptr, M, N, stride_cm, SPLITS: tl.constexpr,
                        BLOCK: tl.constexpr, PDL: tl.constexpr):
@@ -355,9 +291,12 @@ def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     a fused gate/up projection [2d, K], the result [M, d]. Each tile multiplies the gate
     and up rows of its outputs side by side (the same tiles and sums as ``linear``) and
     writes ``silu(gate) * up``: the product's [M, 2d] never goes to memory, and a layer
-    launches one kernel fewer. With ``LLMSERVE_SPLITK_REDUCE=kernel`` a split weight takes
-    the two-kernel path (its second launch adds plain parts)."""
-    if GATED_LINEAR == "off":
+    launches one kernel fewer. Past ``GATED_MAX_ROWS`` rows, and with
+    ``LLMSERVE_SPLITK_REDUCE=kernel`` for a split weight (whose second launch adds plain
+    parts), the product and ``silu_and_mul`` run as two kernels."""
+    if weight.shape[0] % 2:
+        raise ValueError(f"a gate/up weight has an even number of rows, not {weight.shape[0]}")
+    if x.shape[0] > GATED_MAX_ROWS:
         return silu_and_mul(_linear(x, weight, gated=False))
     return _linear(x, weight, gated=True)
 
@@ -368,8 +307,6 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, gated: bool) -> torch.Tensor:
         x = x.contiguous()
     m, k = x.shape
     n = weight.shape[0]
-    if gated and n % 2:
-        raise ValueError(f"a gate/up weight has an even number of rows, not {n}")
     out = torch.empty(m, n // 2 if gated else n, dtype=weight.dtype, device=x.device)
     if m == 0:
         return out
@@ -386,15 +323,11 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, gated: bool) -> torch.Tensor:
     counters = _tile_counters(x.device, tiles) if fused else out
     pdl = pdl_for(x)
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), splits if parallel else 1)
-    args = (x, weight, out, part, counters, m, n, k, k_per_split, x.stride(0),
-            weight.stride(0), out.stride(0))
-    options = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLITS=splits, IN_ORDER=ordered,
-                   FUSED=fused, UPCAST=INTERPRETED, num_warps=_LINEAR_WARPS,
-                   num_stages=_LINEAR_STAGES, **pdl_launch(pdl))
-    if gated and GATED_LINEAR == "halves":
-        _gated_linear_kernel[grid](*args, **options)
-    else:
-        _linear_kernel[grid](*args, GATED=gated, **options)
+    _linear_kernel[grid](
+        x, weight, out, part, counters, m, n, k, k_per_split, x.stride(0), weight.stride(0),
+        out.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLITS=splits, IN_ORDER=ordered,
+        FUSED=fused, GATED=gated, UPCAST=INTERPRETED, num_warps=_LINEAR_WARPS,
+        num_stages=_LINEAR_STAGES, **pdl_launch(pdl))
     if parallel and not fused:
         block = 1024
         _sum_splits_kernel[(triton.cdiv(m * n, block),)](
