@@ -5,9 +5,10 @@ On the 1.07B Llama shape of ``cuda_bench.py`` (random bfloat16 weights):
 1. for each variant (programmatic dependent launch off, the linear's warps and stages,
    the output head outside the decode graphs, split linears' parts always in programs of
    their own, other split-K tilings, the attention kernel's keys per tile, segment, warps
-   and pipeline stages; each still batch-invariant): the GPU time of one decode step at
-   batch 1 and 64 (back-to-back replays of its CUDA graph), single-stream decode tokens/s
-   through the engine and the prefill of 4096 tokens;
+   and pipeline stages, the fused launches of a layer undone; each still batch-invariant):
+   the GPU time of one decode step at batch 1 and 64 (``--sizes``; back-to-back replays of
+   its CUDA graph), single-stream decode tokens/s through the engine and the prefill of
+   4096 tokens;
 2. ``torch.profiler`` over a few eager decode steps of the default variant: device time by
    kernel, summed over the step.
 
