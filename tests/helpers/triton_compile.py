@@ -21,7 +21,8 @@ KINDS = {  # argument-name -> type overrides per kernel (pointers default to bfl
     "_linear_kernel": {"part_ptr": "*fp32", "count_ptr": "*i32"},
     "_sum_splits_kernel": {"part_ptr": "*fp32"},
     "_rms_norm_kernel": {"w_ptr": "*fp32", "eps": "fp32"},
-    "_rotary_kernel": {"pos_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32"},
+    "_rotary_kernel": {"pos_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32",
+                       "slot_ptr": "*i64"},
     "_silu_and_mul_kernel": {},
     "_store_kv_kernel": {"slot_ptr": "*i64"},
     "paged_attention_kernel": {
@@ -41,15 +42,20 @@ def _cases():
     from llmserve.attention import triton_kernels as attn
     from llmserve.layers import triton_ops as ops
 
-    for pdl in (True, False):
+    for pdl, gated in ((True, False), (False, False), (True, True)):
         for splits, in_order, fused in ((6, False, True), (6, False, False), (6, True, False),
                                         (1, False, False)):
+            if gated and splits > 1 and not (in_order or fused):
+                continue  # a gated product never leaves its parts to _sum_splits_kernel
             yield ops._linear_kernel, dict(
                 BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, SPLITS=splits, IN_ORDER=in_order,
-                FUSED=fused, UPCAST=False, PDL=pdl), {"num_warps": 4, "num_stages": 3}
+                FUSED=fused, GATED=gated, UPCAST=False, PDL=pdl), {"num_warps": 4,
+                                                                   "num_stages": 3}
     yield ops._sum_splits_kernel, dict(SPLITS=6, BLOCK=1024, PDL=True), {}
     yield ops._rms_norm_kernel, dict(ADD=True, BLOCK=2048, PDL=True), {}
-    yield ops._rotary_kernel, dict(HALF=32, HEADS=32, HALF_P=32, PDL=True), {}
+    for store in (False, True):
+        yield ops._rotary_kernel, dict(HALF=32, HEADS=32, HALF_P=32, DIM_P=64, STORE=store,
+                                       PDL=True), {}
     yield ops._silu_and_mul_kernel, dict(BLOCK=1024, PDL=True), {}
     yield ops._store_kv_kernel, dict(HEAD_DIM=64, HEADS=8, DIM_P=64, PDL=True), {}
     for split, scaled, windowed in ((True, False, False), (False, False, True),
