@@ -263,7 +263,8 @@ class TritonPagedBackend:
         where the cache needs no scales, else one after the other. Returns the rotated q."""
         gpu = gpu_ops_for(k)
         if (rope is not None and ROPE_STORE and gpu is not None
-                and kv_cache.key_scale is None and q.stride(-1) == 1 and k.stride(-1) == 1):
+                and kv_cache.key_scale is None
+                and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1):
             gpu.rotary_and_store_kv(q, k, v, rope.positions, *rope.rotary.kernel_tables(),
                                     kv_cache.key, kv_cache.value, metadata.slot_mapping)
             return q
