@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 
 from tests.e2e.conftest import LiveServer, start_server
@@ -229,19 +230,23 @@ def test_a_second_signal_ends_the_drain_early_but_cleanly(tiny_path, tmp_path, s
     assert "Traceback" not in log and "Event loop is closed" not in log
 
 
-def test_the_engine_process_goes_when_the_server_is_killed(tiny_path, tmp_path):
+def test_the_server_s_processes_go_when_it_is_killed(tiny_path, tmp_path):
+    """SIGKILL runs no cleanup: the engine process and the tokenizer worker notice their
+    parent's death themselves (the worker used to wait on its queue for ever)."""
     server = start_server(tiny_path, tmp_path, "--max-model-len", "256", name="orphan")
-    pid = _engine_pid(server)
+    engine = _engine_pid(server)
+    deadline = time.monotonic() + 30
+    while True:  # the tokenizer worker starts with the server, the engine before /ready
+        children = psutil.Process(server.proc.pid).children()
+        names = {" ".join(c.cmdline()) for c in children}
+        if len(children) >= 2 or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert engine in {c.pid for c in children} and len(children) >= 2, names
     server.proc.kill()
     server.proc.wait(10)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.1)
-    raise AssertionError("the engine process outlived the server")
+    _, alive = psutil.wait_procs(children, timeout=10)
+    assert not alive, f"outlived the server: {[' '.join(p.cmdline()) for p in alive]}"
 
 
 def test_scheduler_kv_cache_usage_and_cli_import_without_torch():

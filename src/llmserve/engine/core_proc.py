@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import multiprocessing
 import os
 import shutil
@@ -53,6 +52,7 @@ from llmserve.engine.messages import (
 from llmserve.errors import LLMServeError
 from llmserve.gc_freeze import freeze_startup_objects
 from llmserve.logger import get_logger
+from llmserve.parent_death import die_with_parent
 
 logger = get_logger(__name__)
 
@@ -65,7 +65,7 @@ _IDLE_POLL_MS = 1000  # an idle engine wakes this often to see whether its paren
 def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
                     parent_pid: int) -> None:
     """Entry point of the engine process: load, warm up, say ready, then serve messages."""
-    _die_with_parent()
+    die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     ctx = zmq.Context()
     out = ctx.socket(zmq.PUSH)
@@ -168,12 +168,6 @@ class EngineLoop:
             self.core.abort(message.request_id)
             self.failed.append(RequestFailed(message.request_id, f"{type(e).__name__}: {e}"
                                              if not isinstance(e, ValueError) else str(e)))
-
-
-def _die_with_parent() -> None:
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 # ---- the API server's side ----------------------------------------------------------------

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
+import os
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
+from llmserve.parent_death import die_with_parent
 from llmserve.tokenizer import Tokenizer
 
 INLINE_CHARS = 16_384  # shorter texts are tokenized on the event loop
@@ -21,8 +23,9 @@ INLINE_CHARS = 16_384  # shorter texts are tokenized on the event loop
 _worker_tokenizer: Tokenizer | None = None
 
 
-def _init_worker(tokenizer: Tokenizer) -> None:
+def _init_worker(tokenizer: Tokenizer, parent_pid: int) -> None:
     global _worker_tokenizer
+    die_with_parent(parent_pid)  # a killed server would leave it blocked on its queue
     _worker_tokenizer = tokenizer
 
 
@@ -52,7 +55,7 @@ class TokenizerPool:
         if self._pool is None:
             self._pool = ProcessPoolExecutor(
                 max_workers=1, mp_context=multiprocessing.get_context("spawn"),
-                initializer=_init_worker, initargs=(self.tokenizer,))
+                initializer=_init_worker, initargs=(self.tokenizer, os.getpid()))
         return self._pool
 
     def start(self) -> None:
