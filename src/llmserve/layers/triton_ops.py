@@ -1,4 +1,5 @@
-"""The layers' GPU kernels in Triton: linear, RMSNorm (with the residual add), rotary,
+"""The layers' GPU kernels in Triton: linear (for a small batch's gate/up projection, with
+its SiLU-and-multiply), RMSNorm (with the residual add), rotary (with the KV cache store),
 SiLU-and-multiply, and the KV cache store.
 
 Two reasons to write them rather than call PyTorch:
@@ -12,7 +13,8 @@ Two reasons to write them rather than call PyTorch:
   works row by row.
 - **Fewer launches.** The PyTorch path of a decoder layer launches about 30 kernels (each
   float cast, the rotary's halves, the residual add and the norm apart); a decode step of
-  a small model is bound by them. Here a layer takes about 10.
+  a small model is bound by them, at about 3 us a kernel on an H100. Here a decode of up
+  to 8 rows takes 9 a layer.
 
 A linear whose weight is split over its inputs (split-K, see ``linear_config``) adds its
 parts in the same launch: the last program to finish an output tile adds the tile's parts
