@@ -181,13 +181,14 @@ def bandwidth(device: str) -> float:
     return 2 * n / sorted(times)[len(times) // 2]
 
 
-def replay_ms(core: EngineCore, device: str, repeats: int = 100) -> float | None:
+def replay_ms(core: EngineCore, device: str, context: int, repeats: int = 100
+              ) -> float | None:
     """Milliseconds of the GPU's work in one decode step at batch 1: replays of the batch-1
-    graph back to back (its inputs as the last step left them)."""
+    graph for ``context`` keys back to back (its inputs as the last step left them)."""
     graphs = core.runner.graphs
     if graphs is None:
         return None
-    graph = graphs._graphs[1][0]
+    graph = graphs.graph(1, context)
     graph.replay()
     sync(device)
     start = time.perf_counter()
@@ -304,11 +305,11 @@ def bench_model(name: str, path: Path, params: int, device: str, bw: float, quic
         print(f"  {name} single stream, {mode}: {single['decode_tok_s']:.0f} tok/s", flush=True)
         if mode != "graphs":
             if not eager:
-                res[f"gpu_step_ms_{mode}"] = replay_ms(core, device)
+                res[f"gpu_step_ms_{mode}"] = replay_ms(core, device, len(prompt) + decode_len)
             del core
             continue
         res["step_ms"] = 1e3 / single["decode_tok_s"]
-        res["gpu_step_ms"] = replay_ms(core, device)
+        res["gpu_step_ms"] = replay_ms(core, device, len(prompt) + decode_len)
         if profile_dir is not None:  # one stream, then as many as the largest batch
             path_ = profile_dir / f"profile-{name}.txt"
             path_.write_text("")

@@ -64,7 +64,8 @@ VARIANTS = {
     "mlp-two-kernels": {"gated_max_rows": 0},  # the gate/up product, then silu_and_mul
     "mlp-one-kernel": {"gated_max_rows": 1 << 30},  # silu(gate) * up in the product's kernel
     "rope-then-store": {"rope_store": False},  # the rotary's kernel, then the KV store's
-    "unfused": {"gated_max_rows": 0, "rope_store": False},
+    "one-graph-set": {"context_limits": False},  # split attention in every decode graph
+    "unfused": {"gated_max_rows": 0, "rope_store": False, "context_limits": False},
 }
 
 
@@ -72,8 +73,8 @@ def apply_variant(v: dict) -> None:
     """Module knobs read at call or capture time: programmatic dependent launch, the linear's
     warps and stages, the head in the graphs, when a split linear sums its parts in one
     program per tile, the split-K tiling, the attention's keys per tile and segment, warps
-    and stages per program, the MLP's activation in the gate/up product, and the rotary in the KV
-    store's kernel."""
+    and stages per program, the MLP's activation in the gate/up product, the rotary in the KV
+    store's kernel, and the decode graphs for one attention segment."""
     triton_ops.PDL = v.get("pdl", envs.LLMSERVE_PDL)
     triton_ops.IN_ORDER_TILES = v.get("in_order_tiles", _IN_ORDER_TILES)
     triton_ops.TILES_PER_SM = v.get("tiles_per_sm", 2)
@@ -82,6 +83,7 @@ def apply_variant(v: dict) -> None:
     triton_ops._LINEAR_STAGES = v.get("linear_stages", 3)
     triton_ops.linear_config.cache_clear()
     cuda_graphs.LOGITS = v.get("graph_logits", True)
+    cuda_graphs.CONTEXT_LIMITS = v.get("context_limits", True)
     triton_paged.BLOCK_N = v.get("attn_block_n", 64)
     triton_paged.SEGMENT = v.get("attn_segment", 512)
     triton_paged.WARPS = v.get("attn_warps", 4)
@@ -90,8 +92,10 @@ def apply_variant(v: dict) -> None:
     triton_paged.ROPE_STORE = v.get("rope_store", True)
 
 
-def replay_ms(core, size: int, repeats: int = 50) -> float:
-    graph = core.runner.graphs._graphs[size][0]
+def replay_ms(core, size: int, context: int, repeats: int = 50) -> float:
+    """Milliseconds a replay of the graph of ``size`` rows whose longest context is
+    ``context`` keys (its inputs as the last step left them)."""
+    graph = core.runner.graphs.graph(size, context)
     graph.replay()
     torch.cuda.synchronize()
     start = time.perf_counter()
@@ -125,7 +129,7 @@ def main() -> None:
         core = cb.engine(path, "cuda", False, max_num_seqs=64)
         cb.run_batch(core, [prompt], 8, "cuda", "warm")
         single = cb.run_batch(core, [prompt], 128, "cuda", "single")
-        row = {f"replay_ms_b{size}": replay_ms(core, int(size))
+        row = {f"replay_ms_b{size}": replay_ms(core, int(size), len(prompt) + 128)
                for size in args.sizes.split(",")}
         row |= {"single_tok_s": single["decode_tok_s"],
                 "prefill_4096_tok_s": cb.prefill_speed(core, 4096, "cuda")}

@@ -59,8 +59,12 @@ def test_logits_match_transformers_on_cuda(tiny_model_dir, name):
 
 
 def test_graph_replays_give_the_eager_tokens(tiny_model_dir):
+    """Short contexts, then two long ones that finish first: steps replay the graphs for
+    one attention segment and those for the longest context, and give the eager tokens."""
     path, _ = tiny_model_dir("llama-gqa")
     prompts, params = _workload(3, 12, 300, 40)
+    prompts += [list(range(100, 700)), list(range(200, 900))]
+    params += [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)] * 2
     outs = {}
     for eager in (False, True):
         llm = LLM(str(path), device="cuda", dtype="bfloat16", max_model_len=1024,
@@ -69,7 +73,10 @@ def test_graph_replays_give_the_eager_tokens(tiny_model_dir):
         graphs = llm.engine.runner.graphs
         assert (graphs is None) == eager
         if graphs is not None:
-            assert graphs.replays > 0 and graphs.buckets == [1, 2, 4, 8, 16]
+            assert graphs.buckets == [1, 2, 4, 8, 16]
+            assert list(graphs.replays_by_limit) == [512, 1024]
+            assert all(n > 0 for n in graphs.replays_by_limit.values()), \
+                graphs.replays_by_limit
     assert outs[False] == outs[True]
 
 

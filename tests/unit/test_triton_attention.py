@@ -187,6 +187,27 @@ def test_graph_metadata_gives_the_eager_result():
     assert torch.equal(graph, eager)
 
 
+def test_graphs_for_one_segment_attend_without_the_split():
+    """The decode graphs of contexts up to one segment run no split and no fold, and give
+    the bits of the graphs for long contexts (one segment folded) and of the eager step."""
+    backend = TritonPagedBackend()
+    assert backend.graph_context_limits(4 * SEGMENT) == [SEGMENT, 4 * SEGMENT]
+    assert backend.graph_context_limits(SEGMENT // 2) == [SEGMENT // 2]
+    batch = Batch([(40, 1), (SEGMENT - 1, 1), (3, 1), (SEGMENT - 200, 1)], 6, 2, 32, "bfloat16",
+                  torch.bfloat16, seed=6)
+    eager = batch.run()
+    layout, rows = batch.layout()
+    seq_lens = torch.tensor(layout.seq_lens, dtype=torch.int32, device=DEVICE)
+    outs = {}
+    for limit in backend.graph_context_limits(4 * SEGMENT):
+        meta = backend.build_graph_metadata(layout, seq_lens, max_seq_len=limit)
+        assert meta.split == (limit > SEGMENT) and (meta.part_start is None) == (not meta.split)
+        outs[limit] = backend.forward(batch.q[rows], batch.k[rows], batch.v[rows], batch.cache,
+                                      meta, batch.d ** -0.5)
+    assert torch.equal(outs[SEGMENT], outs[4 * SEGMENT])
+    assert torch.equal(outs[SEGMENT], eager)
+
+
 def test_unknown_kv_dtype_is_refused_with_the_choices():
     with pytest.raises(ValueError, match="fp8_e4m3"):
         TritonKVCache.allocate("int8", 2, BLOCK, 1, 16, DEVICE)

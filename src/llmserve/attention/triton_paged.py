@@ -183,20 +183,29 @@ class TritonPagedBackend:
                              max_seq_len: int) -> TritonPagedMetadata:
         """Metadata of a decode batch (one query per sequence) whose tensors are a CUDA
         graph's static inputs: ``seq_lens`` is filled before each replay, and the grid
-        covers ``max_seq_len`` keys (segments past a row's context do nothing)."""
+        covers ``max_seq_len`` keys (segments past a row's context do nothing; within one
+        segment, there is no split)."""
         num_b = len(layout.query_lens)
         device = layout.positions.device
         arange = torch.arange(num_b + 1, dtype=torch.int32, device=device)
         num_segments = -(-max_seq_len // SEGMENT)
+        split = num_segments > 1
         # Every row may reach every segment: num_segments entries of partials each.
         meta = TritonPagedMetadata(layout.slot_mapping, layout.block_tables, seq_lens,
-                                   arange, layout.positions, [1] * num_b, num_segments, True,
-                                   arange[:num_b] * num_segments, num_b * num_segments)
+                                   arange, layout.positions, [1] * num_b, num_segments, split,
+                                   arange[:num_b] * num_segments if split else None,
+                                   num_b * num_segments if split else 0)
         block_q = BLOCK_M
         while block_q >= 1:  # one tile per sequence whatever the tile's tokens
             meta.tiles[block_q] = (arange[:num_b], arange[:num_b], num_b)
             block_q //= 2
         return meta
+
+    @staticmethod
+    def graph_context_limits(max_seq_len: int) -> list[int]:
+        """The context limits worth a decode graph each (``runner/cuda_graphs.py``): one
+        segment, attended without the split and its fold, and ``max_seq_len``."""
+        return sorted({min(SEGMENT, max_seq_len), max_seq_len})
 
     def rebind(self, metadata: TritonPagedMetadata, layout: BatchLayout) -> TritonPagedMetadata:
         return replace(metadata, slot_mapping=layout.slot_mapping,

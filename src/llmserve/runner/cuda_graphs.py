@@ -11,6 +11,11 @@ sequences replays the smallest graph of at least B, with the rows past B padded:
 - the attention metadata's tensors are the graph's static inputs (``build_graph_metadata``),
   and its grid covers every segment of the longest context captured (``MAX_CONTEXT``
   tokens at most: the attention's partials grow with it; longer contexts decode eagerly);
+- each batch size has a graph per context limit the backend names
+  (``graph_context_limits``): a step replays the first whose limit covers its longest
+  context. With ``triton_paged``, contexts of one segment attend without the split and its
+  fold (a launch less a layer, and no idle programs for the segments a short context never
+  reaches); a row of one segment gets the same bits either way;
 - a step's inputs go from pinned host buffers in asynchronous copies, and the next step
   waits for those copies before it writes the buffers again;
 - with asynchronous scheduling, input tokens the step before sampled are copied on the
@@ -27,6 +32,7 @@ output does not depend on whether its steps were replayed.
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import torch
@@ -41,6 +47,9 @@ logger = get_logger(__name__)
 MAX_CONTEXT = 16384  # the longest context a captured decode step serves
 # Whether the graphs compute the logits (read at capture; benchmarks switch it to compare).
 LOGITS = True
+# Whether each batch size gets a graph per context limit of the backend's, or only one for
+# the longest context (read at capture; benchmarks switch it to compare).
+CONTEXT_LIMITS = True
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -80,24 +89,41 @@ class DecodeGraphs:
         self._host["tables"] = self._host["tables"].view(-1)
         self._copied = torch.cuda.Event()  # recorded after a step's copies
         self.logits: torch.Tensor | None = None  # [max_batch, vocab] float32, with LOGITS
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, object]] = {}
+        # (batch size, context limit) -> (graph, its hidden states, its attention context)
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor,
+                                                  object]] = {}
+        limits = getattr(runner.backend, "graph_context_limits", None)
+        self.context_limits = (limits(max_seq_len) if limits is not None and CONTEXT_LIMITS
+                               else [max_seq_len])
         self.capture_seconds = 0.0
         self.replays = 0  # steps served by a graph (tests, metrics)
+        self.replays_by_limit = dict.fromkeys(self.context_limits, 0)
 
     @property
     def max_batch(self) -> int:
         return self.buckets[-1]
 
+    def graph(self, size: int, max_context: int) -> torch.cuda.CUDAGraph:
+        """The graph a decode step of ``size`` rows, the longest with ``max_context`` keys,
+        replays."""
+        return self._graphs[self._key(size, max_context)][0]
+
+    def _key(self, size: int, max_context: int) -> tuple[int, int]:
+        """(bucket, context limit) of a step: the smallest of each that holds it."""
+        return (next(b for b in self.buckets if b >= size),
+                next(c for c in self.context_limits if c >= max_context))
+
     @torch.inference_mode()
     def capture(self) -> None:
-        """Warm up and capture every bucket, largest first (the smaller ones reuse its
-        memory pool)."""
+        """Warm up and capture every bucket and context limit, largest first (the smaller
+        ones reuse its memory pool)."""
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
         model = self.runner.model
         rotaries = [m for m in model.modules() if isinstance(m, RotaryEmbedding)]
-        for size in reversed(self.buckets):
-            ctx = self._context(size)
+        for size, limit in itertools.product(reversed(self.buckets),
+                                             reversed(self.context_limits)):
+            ctx = self._context(size, limit)
             ids, positions = self.input_ids[:size], self.positions[:size]
             for _ in range(2):  # compiles the kernels; settles the allocator
                 hidden = model(ids, positions, ctx)
@@ -115,11 +141,12 @@ class DecodeGraphs:
                 hidden = model(ids, positions, ctx)
                 if LOGITS:
                     model.compute_logits(hidden, out=self.logits[:size])
-            self._graphs[size] = (graph, hidden, ctx)  # ctx: keeps the metadata alive
+            self._graphs[size, limit] = (graph, hidden, ctx)  # ctx: keeps the metadata alive
         torch.cuda.synchronize(self.runner.device)
         self.capture_seconds = time.perf_counter() - start
-        logger.info("captured CUDA graphs of the decode step for %d batch sizes (1 to %d) in "
-                    "%.1f s", len(self.buckets), self.max_batch, self.capture_seconds)
+        logger.info("captured CUDA graphs of the decode step for %d batch sizes (1 to %d) and "
+                    "contexts up to %s keys in %.1f s", len(self.buckets), self.max_batch,
+                    " and ".join(map(str, self.context_limits)), self.capture_seconds)
 
     def fits(self, query_lens: list[int], seq_lens: list[int], table_width: int) -> bool:
         """Whether a step replays: decodes only, at most ``max_batch`` of them, each within
@@ -138,8 +165,8 @@ class DecodeGraphs:
         (row, row of the step before) of input tokens to take from the step before's
         sampled ids (a device tensor), in place of the placeholders in ``input_ids``."""
         size = len(seq_lens)
-        bucket = next(b for b in self.buckets if b >= size)
-        graph, hidden, _ = self._graphs[bucket]
+        bucket, limit = self._key(size, max(seq_lens))
+        graph, hidden, _ = self._graphs[bucket, limit]
         groups, _, width = tables.shape
         self._copied.synchronize()  # the last step's copies have read the host buffers
         host = self._host
@@ -170,13 +197,14 @@ class DecodeGraphs:
         self._copied.record()
         graph.replay()
         self.replays += 1
+        self.replays_by_limit[limit] += 1
         return hidden[:size], None if self.logits is None else self.logits[:size]
 
     def _static(self) -> dict[str, torch.Tensor]:
         return {"input_ids": self.input_ids, "positions": self.positions, "slots": self.slots,
                 "tables": self.tables, "seq_lens": self.seq_lens, "fill_rows": self.fill_rows}
 
-    def _context(self, size: int) -> AttentionContext:
+    def _context(self, size: int, limit: int) -> AttentionContext:
         runner = self.runner
         backend = runner.backend
         # Query and sequence lengths as lists are placeholders (one query each): the
@@ -184,7 +212,7 @@ class DecodeGraphs:
         layouts = [BatchLayout(self.slots[g, :size], self.tables[g, :size],
                                self.positions[:size], [1] * size, [1] * size,
                                runner.block_size) for g in range(runner.num_groups)]
-        first = backend.build_graph_metadata(layouts[0], self.seq_lens[:size], self.max_seq_len)
+        first = backend.build_graph_metadata(layouts[0], self.seq_lens[:size], limit)
         metadata = [first] + [backend.rebind(first, layout) for layout in layouts[1:]]
         return AttentionContext(backend, [metadata[g] for g in runner.layer_group],
                                 runner.kv_caches)
