@@ -37,7 +37,7 @@ from llmserve import envs
 from llmserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from llmserve.engine.core import EngineCore
 from llmserve.gc_freeze import startup_objects_frozen
-from llmserve.layers import triton_ops
+from llmserve.layers import triton_launch, triton_linear
 from llmserve.sampling_params import SamplingParams
 
 SMOLLM2_135M = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -233,28 +233,26 @@ def linear_table(device: str) -> list[dict]:
     the weight (at least 256 MB) that L2 (50 MB) holds none of them between its uses."""
     import torch.nn.functional as F
 
-    from llmserve.layers import triton_ops
-
     rows = []
-    in_order_tiles = triton_ops.IN_ORDER_TILES
+    in_order_tiles = triton_linear.IN_ORDER_TILES
     h, inter = LLAMA_1B["hidden_size"], LLAMA_1B["intermediate_size"]
     for n, k, what in ((3072, h, "qkv"), (h, h, "o"), (2 * inter, h, "gate_up"),
                        (h, inter, "down"), (VOCAB, h, "head")):
         copies = max(2, -(-(256 << 20) // (n * k * 2)))
         ws = [torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02
               for _ in range(copies)]
-        split = triton_ops.linear_config(n, k)[3] > 1
+        split = triton_linear.linear_config(n, k)[3] > 1
         for m in (1, 64, 1024, 4096):
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
             row = {"layer": what, "n": n, "k": k, "m": m}
-            variants = [("triton", True, in_order_tiles, triton_ops.linear),
-                        ("triton_no_pdl", False, in_order_tiles, triton_ops.linear),
+            variants = [("triton", True, in_order_tiles, triton_linear.linear),
+                        ("triton_no_pdl", False, in_order_tiles, triton_linear.linear),
                         ("cublas", False, in_order_tiles, F.linear)]
             if split:  # every part its own program, whatever the rows
-                variants.append(("triton_parts", True, 1 << 62, triton_ops.linear))
+                variants.append(("triton_parts", True, 1 << 62, triton_linear.linear))
             for label, pdl, tiles, fn in variants:
-                triton_ops.PDL = pdl
-                triton_ops.IN_ORDER_TILES = tiles
+                triton_launch.PDL = pdl
+                triton_linear.IN_ORDER_TILES = tiles
                 for w in ws:  # compiled, counters allocated: before the capture
                     fn(x, w)
                 torch.cuda.synchronize()
@@ -274,8 +272,8 @@ def linear_table(device: str) -> list[dict]:
                 del graph
             rows.append(row)
         del ws
-    triton_ops.PDL = envs.LLMSERVE_PDL
-    triton_ops.IN_ORDER_TILES = in_order_tiles
+    triton_launch.PDL = envs.LLMSERVE_PDL
+    triton_linear.IN_ORDER_TILES = in_order_tiles
     return rows
 
 
@@ -292,7 +290,7 @@ def bench_model(name: str, path: Path, params: int, device: str, bw: float, quic
              ("graphs", {"eager": False})]
     for mode, opts in modes:
         eager = opts["eager"]
-        triton_ops.PDL = opts.get("pdl", envs.LLMSERVE_PDL)
+        triton_launch.PDL = opts.get("pdl", envs.LLMSERVE_PDL)
         core = engine(path, device, eager, async_scheduling=opts.get("async_scheduling"))
         if not eager:
             res[f"graph_capture_s_{mode}"] = core.runner.graphs.capture_seconds \
@@ -338,7 +336,7 @@ def bench_model(name: str, path: Path, params: int, device: str, bw: float, quic
         res["batched_equals_alone"] = together == alone
         res["graph_replays"] = core.runner.graphs.replays if core.runner.graphs else 0
         del core
-    triton_ops.PDL = envs.LLMSERVE_PDL
+    triton_launch.PDL = envs.LLMSERVE_PDL
     tokens = [res.pop(f"tokens_{mode}") for mode, _ in modes]
     res["graphs_equal_eager"] = all(t == tokens[0] for t in tokens)  # every mode
     if device.startswith("cuda"):

@@ -34,12 +34,12 @@ import cuda_bench as cb
 
 from llmserve import envs
 from llmserve.attention import triton_paged
-from llmserve.layers import triton_ops
+from llmserve.layers import triton_launch, triton_linear
 from llmserve.runner import cuda_graphs
 from llmserve.sampling_params import SamplingParams
 
-_IN_ORDER_TILES = triton_ops.IN_ORDER_TILES
-_GATED_MAX_ROWS = triton_ops.GATED_MAX_ROWS
+_IN_ORDER_TILES = triton_linear.IN_ORDER_TILES
+_GATED_MAX_ROWS = triton_linear.GATED_MAX_ROWS
 VARIANTS = {
     "default": {},
     "no-pdl": {"pdl": False},
@@ -75,20 +75,20 @@ def apply_variant(v: dict) -> None:
     program per tile, the split-K tiling, the attention's keys per tile and segment, warps
     and stages per program, the MLP's activation in the gate/up product, the rotary in the KV
     store's kernel, and the decode graphs for one attention segment."""
-    triton_ops.PDL = v.get("pdl", envs.LLMSERVE_PDL)
-    triton_ops.IN_ORDER_TILES = v.get("in_order_tiles", _IN_ORDER_TILES)
-    triton_ops.TILES_PER_SM = v.get("tiles_per_sm", 2)
-    triton_ops.SPLIT_BLOCK_N = v.get("split_block_n", 64)
-    triton_ops._LINEAR_WARPS = v.get("linear_warps", 4)
-    triton_ops._LINEAR_STAGES = v.get("linear_stages", 3)
-    triton_ops.linear_config.cache_clear()
+    triton_launch.PDL = v.get("pdl", envs.LLMSERVE_PDL)
+    triton_linear.IN_ORDER_TILES = v.get("in_order_tiles", _IN_ORDER_TILES)
+    triton_linear.TILES_PER_SM = v.get("tiles_per_sm", 2)
+    triton_linear.SPLIT_BLOCK_N = v.get("split_block_n", 64)
+    triton_linear._LINEAR_WARPS = v.get("linear_warps", 4)
+    triton_linear._LINEAR_STAGES = v.get("linear_stages", 3)
+    triton_linear.linear_config.cache_clear()
     cuda_graphs.LOGITS = v.get("graph_logits", True)
     cuda_graphs.CONTEXT_LIMITS = v.get("context_limits", True)
     triton_paged.BLOCK_N = v.get("attn_block_n", 64)
     triton_paged.SEGMENT = v.get("attn_segment", 512)
     triton_paged.WARPS = v.get("attn_warps", 4)
     triton_paged.STAGES = v.get("attn_stages", 3)
-    triton_ops.GATED_MAX_ROWS = v.get("gated_max_rows", _GATED_MAX_ROWS)
+    triton_linear.GATED_MAX_ROWS = v.get("gated_max_rows", _GATED_MAX_ROWS)
     triton_paged.ROPE_STORE = v.get("rope_store", True)
 
 

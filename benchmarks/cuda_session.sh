@@ -19,7 +19,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --f
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider --maxfail="${MAXFAIL:-1}" \
-      ${TEST_FILES:-tests/unit/test_triton_ops.py tests/unit/test_triton_attention.py tests/model/test_cuda.py} ${TEST_ARGS:-} \
+      ${TEST_FILES:-tests/unit/test_triton_ops.py tests/unit/test_triton_linear.py tests/unit/test_triton_attention.py tests/model/test_cuda.py} ${TEST_ARGS:-} \
       2>&1 | tee "$OUT/pytest.log" | tail -25
 fi
 python3 - <<'PY'  # what the server would import and this machine's image lacks

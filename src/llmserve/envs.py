@@ -36,7 +36,7 @@ if LLMSERVE_SPLITK_REDUCE not in ("fused", "kernel"):
     raise ValueError(f"LLMSERVE_SPLITK_REDUCE={LLMSERVE_SPLITK_REDUCE!r}: 'fused' or 'kernel'")
 # "0" launches the Triton kernels of a step one after another as usual instead of with
 # programmatic dependent launch (NVIDIA Hopper and later: each kernel's launch and start-up
-# overlap the end of the one before; see layers/triton_ops.py). Read at call time: a
+# overlap the end of the one before; see layers/triton_launch.py). Read at call time: a
 # comparison on the GPU.
 LLMSERVE_PDL: bool = os.environ.get("LLMSERVE_PDL", "1") != "0"
 # The instruction set the compiled CPU kernels are built for: "native" (this CPU's own, the

@@ -40,6 +40,7 @@ MEMORY_OP = re.compile(r"\b(ld\.global|st\.global|cp\.async\.(ca|cg)|atom\.|red\
 
 def _cases():
     from llmserve.attention import triton_kernels as attn
+    from llmserve.layers import triton_linear as lin
     from llmserve.layers import triton_ops as ops
 
     for pdl, gated in ((True, False), (False, False), (True, True)):
@@ -47,16 +48,16 @@ def _cases():
                                         (1, False, False)):
             if gated and splits > 1 and not (in_order or fused):
                 continue  # a gated product never leaves its parts to _sum_splits_kernel
-            yield ops._linear_kernel, dict(
+            yield lin._linear_kernel, dict(
                 BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, SPLITS=splits, IN_ORDER=in_order,
                 FUSED=fused, GATED=gated, UPCAST=False, PDL=pdl), {"num_warps": 4,
                                                                    "num_stages": 3}
-    yield ops._sum_splits_kernel, dict(SPLITS=6, BLOCK=1024, PDL=True), {}
+    yield lin._sum_splits_kernel, dict(SPLITS=6, BLOCK=1024, PDL=True), {}
     yield ops._rms_norm_kernel, dict(ADD=True, BLOCK=2048, PDL=True), {}
     for store in (False, True):
         yield ops._rotary_kernel, dict(HALF=32, HEADS=32, HALF_P=32, DIM_P=64, STORE=store,
                                        PDL=True), {}
-    yield ops._silu_and_mul_kernel, dict(BLOCK=1024, PDL=True), {}
+    yield lin._silu_and_mul_kernel, dict(BLOCK=1024, PDL=True), {}
     yield ops._store_kv_kernel, dict(HEAD_DIM=64, HEADS=8, DIM_P=64, PDL=True), {}
     for split, scaled, windowed in ((True, False, False), (False, False, True),
                                     (True, True, False)):

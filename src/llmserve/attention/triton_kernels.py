@@ -17,7 +17,7 @@ softmax in float32. Every row's arithmetic depends on its own position alone:
   one segment.
 
 Both kernels wait for the kernel before them first (``wait_for_inputs``: programmatic
-dependent launch on Hopper and later, see ``layers/triton_ops.py``).
+dependent launch on Hopper and later, see ``layers/triton_launch.py``).
 
 The kernels are written against Triton's basic language only, so they also run under its
 interpreter (``TRITON_INTERPRET=1``) on CPU tensors, where the tests check them. The
@@ -28,14 +28,16 @@ float32 either way, and the GPU path keeps its 16-bit operands.
 
 from __future__ import annotations
 
-import os
-
 import triton
 import triton.language as tl
 
-from llmserve.layers.triton_ops import pdl_for, pdl_launch, wait_for_inputs  # noqa: F401
-
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+# Re-exported for the backend, which launches the kernels (triton_paged.py).
+from llmserve.layers.triton_launch import (  # noqa: F401
+    INTERPRETED,
+    pdl_for,
+    pdl_launch,
+    wait_for_inputs,
+)
 
 
 @triton.jit

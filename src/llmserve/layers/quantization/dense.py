@@ -12,7 +12,7 @@ instead: a bfloat16 weight is widened into a float32 scratch buffer (one per sha
 multiplied by the BLAS, whose row results may then depend on the batch (MKL's strict mode
 holds them on Intel CPUs, not on AMD ones). On a GPU the activations are in the weights'
 dtype (bfloat16, float16) and a Triton kernel whose tiles do not depend on the number of
-rows multiplies them (``layers/triton_ops.py``: batch-invariant, unlike cuBLAS).
+rows multiplies them (``layers/triton_linear.py``: batch-invariant, unlike cuBLAS).
 """
 
 from __future__ import annotations
