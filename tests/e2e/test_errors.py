@@ -209,6 +209,15 @@ def _chat(content) -> dict:
     return {"messages": [{"role": "user", "content": content}], "max_tokens": 2}
 
 
+def _schema(properties: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": properties}}}
+
+
+def _tool(**function) -> dict:
+    return {"type": "function", "function": {"name": "f", **function}}
+
+
 @pytest.mark.parametrize("path, body, param, fragment", [
     ("/v1/completions", {"prompt": "a\ud800b"}, "prompt", "lone surrogate (U+D800)"),
     ("/v1/completions", {"prompt": ["ok", "nul\x00"]}, "prompt", "NUL character"),
@@ -234,8 +243,25 @@ def _chat(content) -> dict:
     ("/v1/completions", {"prompt": "hi", "stop_token_ids": [2**40]}, None, "stop_token_ids"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {str(2**70): 1}}, "logit_bias",
      "outside the vocabulary"),
-    ("/v1/completions", {"prompt": "hi", "stop": ["\ud800"]}, None, "lone surrogate"),
+    ("/v1/completions", {"prompt": "hi", "stop": ["\ud800"]}, "stop.0", "lone surrogate"),
     ("/tokenize", {"prompt": "\ud800"}, "prompt", "lone surrogate"),
+    # anywhere in the body, not only in text fields: a schema's property names, a tool's
+    # description, a call's arguments (these reached the engine or the tokenizer)
+    ("/v1/completions", {"prompt": "hi", "response_format": _schema({"\ud800": {}})},
+     "response_format.json_schema.schema.properties",
+     "a key in response_format.json_schema.schema.properties has a lone surrogate (U+D800)"),
+    ("/v1/completions", {"prompt": "hi", "guided_regex": "a\udc00"}, "guided_regex",
+     "lone surrogate (U+DC00) at character 1"),
+    ("/v1/chat/completions", {**_chat("hi"), "tools": [_tool(description="\ud800")]},
+     "tools.0.function.description", "lone surrogate"),
+    ("/v1/chat/completions", {**_chat("hi"), "tools": [_tool(parameters=_schema(
+        {"\ud800": {}})["json_schema"]["schema"])], "tool_choice": "required"},
+     "tools.0.function.parameters.properties", "lone surrogate"),
+    ("/v1/chat/completions", {"messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {
+            "name": "f", "arguments": {"a": "\ud800"}}}]}]},
+     "messages.1.tool_calls.0.function.arguments.a", "lone surrogate"),
 ])
 def test_bad_inputs_are_400_with_what_was_wrong(tiny_server, path, body, param, fragment):
     # json.dumps escapes lone surrogates as \ud800, as a JavaScript client would send them
@@ -246,6 +272,35 @@ def test_bad_inputs_are_400_with_what_was_wrong(tiny_server, path, body, param, 
     if param is not None:
         assert err["param"] == param, err
     assert fragment in err["message"], err
+
+
+def test_a_refused_request_leaves_nothing_behind(tiny_server):
+    """A schema the engine's messages could not encode used to be refused after the request
+    was counted: it stayed for ever, and enough of them filled the queue. Now refused at
+    the edge, and one that reached the engine's client would leave nothing either
+    (test_in_process.py)."""
+    body = {"model": tiny_server.model, "prompt": "hi", "max_tokens": 2,
+            "response_format": _schema({"\ud800": {"type": "string"}})}
+    for _ in range(3):
+        _envelope(httpx.post(f"{tiny_server.url}/v1/completions", timeout=30,
+                             headers={**AUTH, "content-type": "application/json"},
+                             content=json.dumps(body)), 400)
+    tiny_server.wait_idle()
+    r = httpx.post(f"{tiny_server.url}/reset_prefix_cache", headers=AUTH, timeout=30)
+    assert r.status_code == 200, r.text  # 409 while any request is counted as running
+
+
+def test_more_prompts_than_the_server_could_ever_queue_is_400_not_429(tiny_server):
+    """16 running and 50 queued at most: 67 prompts in one request could never be
+    admitted, so retrying after a 429 would not help."""
+    r = httpx.post(f"{tiny_server.url}/v1/completions", headers=AUTH, timeout=30, json={
+        "model": tiny_server.model, "prompt": ["a"] * 67, "max_tokens": 1})
+    err = _envelope(r, 400, param="prompt", code="request_too_large")
+    assert "send at most 66 a request" in err["message"], err
+    r = httpx.post(f"{tiny_server.url}/v1/completions", headers=AUTH, timeout=60, json={
+        "model": tiny_server.model, "prompt": ["a"] * 66, "max_tokens": 1})
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 66
 
 
 def test_inputs_that_used_to_500_are_served(tiny_server):

@@ -6,8 +6,10 @@ from __future__ import annotations
 import asyncio
 
 import httpx
+import pytest
 
 from llmserve.config import CacheConfig, EngineConfig, ModelConfig, ServerConfig
+from llmserve.sampling_params import SamplingParams, StructuredOutputsParams
 from llmserve.server.launcher import create_app
 
 
@@ -27,6 +29,13 @@ def test_in_process_app_serves_requests(tiny_path):
                                                           "ignore_eos": True})
                 assert r.status_code == 200, r.text
                 assert r.json()["usage"]["completion_tokens"] == 5
+                # A request the engine's messages cannot encode is refused by submit and
+                # leaves nothing counted (the HTTP edge refuses it before, with a 400).
+                bad = SamplingParams(max_tokens=2, structured_outputs=StructuredOutputsParams(
+                    json={"type": "object", "properties": {"\ud800": {"type": "string"}}}))
+                with pytest.raises(ValueError):
+                    engine.submit("bad", [5, 6, 7], bad)
+                assert engine.num_unfinished == 0
                 for _ in range(100):  # the engine reports its blocks freed after the step
                     if engine.last_stats.kv_blocks_used == 0:
                         break

@@ -211,6 +211,23 @@ class AsyncLLM:
             raise EngineUnavailableError("the model is not ready yet")
         raise EngineUnavailableError(f"the engine is {self.status}", retry_after=30)
 
+    def check_job(self, num_requests: int, prompt_tokens: int) -> None:
+        """Raise ValueError for a job of ``num_requests`` requests (``prompt_tokens`` prompt
+        tokens in all) that this server could never queue whole, however idle: its queue
+        limits would refuse it for ever, so it is a bad request, not one to retry."""
+        running = self.config.scheduler.max_num_seqs
+        if self.max_queued_requests is not None:
+            most = running + self.max_queued_requests
+            if num_requests > most:
+                raise ValueError(
+                    f"{num_requests} prompts in one request can never be queued here: the "
+                    f"server runs {running} requests at once and queues "
+                    f"{self.max_queued_requests} more; send at most {most} a request")
+        if self.max_queued_tokens is not None and prompt_tokens > self.max_queued_tokens:
+            raise ValueError(
+                f"{prompt_tokens} prompt tokens in one request can never be queued here: the "
+                f"server queues at most {self.max_queued_tokens} prompt tokens; send fewer")
+
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                prompt: str | None = None, priority: int = 0) -> RequestStream:
         """Queue a request now (raising QueueFullError / ValueError / EngineUnavailableError
@@ -218,6 +235,9 @@ class AsyncLLM:
         self.validate(prompt_token_ids, params)
         self._admit(len(prompt_token_ids))
         assert self._proc is not None
+        # Sent before anything is recorded: a request that cannot be encoded for the engine
+        # (text that is not valid Unicode) raises here and leaves nothing behind.
+        self._proc.send(AddRequest(request_id, list(prompt_token_ids), params, priority))
         events: asyncio.Queue = asyncio.Queue()
         now = time.monotonic()
         if not self._tracked:
@@ -228,7 +248,6 @@ class AsyncLLM:
                                              len(prompt_token_ids))
         self._sent += 1
         self._sent_tokens += len(prompt_token_ids)
-        self._proc.send(AddRequest(request_id, list(prompt_token_ids), params, priority))
         return RequestStream(self, request_id, events)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],

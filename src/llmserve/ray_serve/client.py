@@ -118,6 +118,10 @@ class RayEngineClient:
             raise EngineUnavailableError("the model is not ready yet")
         raise EngineUnavailableError(f"the server is {self.status}", retry_after=30)
 
+    def check_job(self, num_requests: int, prompt_tokens: int) -> None:
+        """Nothing to refuse up front: a job's requests go to replicas one by one, and
+        replicas come and go, so no one replica's queue limits bound a job."""
+
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                prompt: str | None = None, priority: int = 0) -> RayRequestStream:
         """Validate now; the request reaches a replica when the stream is first awaited

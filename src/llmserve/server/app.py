@@ -33,6 +33,7 @@ from llmserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    FieldError,
     TokenizeRequest,
     message_dicts,
 )
@@ -119,6 +120,9 @@ def build_app(engine: AsyncLLM, config: ServerConfig, metrics: ServerMetrics,
             return bad_request(_json_error_message(body), code="invalid_json").response()
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
         param = ".".join(loc) or None
+        cause = (first.get("ctx") or {}).get("error")
+        if isinstance(cause, FieldError):  # a check of the whole body: it names the field
+            param = cause.param
         msg = str(first.get("msg", "invalid value"))
         if first.get("type") == "extra_forbidden":  # OpenAI's own words for a typo
             where = ".".join(loc[:-1])

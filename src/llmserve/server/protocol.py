@@ -26,6 +26,46 @@ INT32_MAX = 2**31 - 1
 
 
 _BAD_CHARS = re.compile("[\ud800-\udfff\x00]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+class FieldError(ValueError):
+    """A request's value refused with the (dotted) parameter it is in, for the 400's
+    ``param``: raised where pydantic's own location would be the whole body."""
+
+    def __init__(self, param: str | None, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def _no_lone_surrogates(body: Any) -> Any:
+    """Refuse a lone surrogate (a JSON escape like "\\ud800" without its pair) anywhere in
+    a request body, in a key or a string at any depth: no tokenizer, chat template, grammar
+    or message to the engine can encode one. Checked once, on the raw body, so that every
+    field (a schema's property names, a tool's description, a call's arguments) is covered,
+    not only the fields of type text."""
+    stack = [("", body)]
+    while stack:  # a loop, not recursion: bodies may nest deeper than Python's stack
+        path, value = stack.pop()
+        if isinstance(value, str):
+            bad = _SURROGATE.search(value)
+            if bad is not None:
+                raise FieldError(path or None, _surrogate_message(bad, "contains"))
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                if isinstance(key, str) and (bad := _SURROGATE.search(key)) is not None:
+                    where = f" in {path}" if path else ""
+                    raise FieldError(path or None, _surrogate_message(bad, f"a key{where} has"))
+                stack.append((f"{path}.{key}" if path else str(key), item))
+        elif isinstance(value, list):
+            stack.extend((f"{path}.{i}", item) for i, item in enumerate(value)
+                         if isinstance(item, str | dict | list))
+    return body
+
+
+def _surrogate_message(bad: re.Match, subject: str) -> str:
+    return (f"{subject} a lone surrogate (U+{ord(bad.group()):04X}) at character "
+            f"{bad.start()}: text must be valid Unicode")
 
 
 def _valid_text(value: str) -> str:
@@ -125,6 +165,7 @@ class StructuredOutputs(_Strict):
 
 
 class _SamplingFields(_Strict):
+    _valid_unicode = model_validator(mode="before")(_no_lone_surrogates)
 
     model: str | None = None
     n: int = 1
@@ -422,6 +463,7 @@ class ChatCompletionRequest(_SamplingFields):
 
 class TokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
+    _valid_unicode = model_validator(mode="before")(_no_lone_surrogates)
 
     model: str | None = None
     prompt: Text | None = None

@@ -133,6 +133,11 @@ async def _submit_all(engine: AsyncLLM, job: Job) -> list[RequestStream]:
     """Queue every prompt of the job now; a full queue is a 429 before any byte is sent.
     (AsyncLLM queues at ``submit``; an engine on other machines, when the stream is
     ``accepted``.)"""
+    try:
+        engine.check_job(len(job.prompts), sum(len(ids) for _, ids in job.prompts))
+    except ValueError as e:
+        raise bad_request(str(e), param="prompt" if job.kind == "completion" else "messages",
+                          code="request_too_large") from None
     streams: list[RequestStream] = []
     try:
         for i, (text, ids) in enumerate(job.prompts):
