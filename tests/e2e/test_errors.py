@@ -361,11 +361,13 @@ def test_a_prompt_that_cannot_fit_is_refused_without_tokenizing(tiny_server):
 
 
 def test_a_429_is_not_an_abort(tight_server):
+    """Two prompts a request, one running and two queued at most: the second request's
+    first prompt is queued, its second refused, and the first withdrawn unanswered."""
     before = tight_server.metrics().get("llmserve:request_aborted_total", 0.0)
 
     async def run() -> list[httpx.Response]:
         async with httpx.AsyncClient(timeout=60) as client:
-            body = {"model": tight_server.model, "prompt": ["a", "b", "c", "d"],
+            body = {"model": tight_server.model, "prompt": ["a", "b"],
                     "max_tokens": 5, "ignore_eos": True}
             return await asyncio.gather(*[client.post(f"{tight_server.v1}/completions",
                                                       json=body) for _ in range(3)])

@@ -48,6 +48,26 @@ def _client(server, key: str | None = None) -> openai.OpenAI:
 # ---- a tiny model: the mechanics, fast ----------------------------------------------------
 
 
+def test_a_grammar_that_gives_up_while_generating_fails_the_request(tiny_server):
+    """llguidance builds a regex of a million repeats lazily and gives up after a token or
+    two, past the checks made when the request arrived: the request fails (400, or an error
+    event in a stream) with the grammar engine's reason, not a 200 whose text stops short
+    of the constraint; and nothing is left running."""
+    client = _client(tiny_server, API_KEY)
+    kw = dict(model=tiny_server.model, prompt="x", max_tokens=20, temperature=0,
+              extra_body={"guided_regex": "a{1000000}"})
+    with pytest.raises(openai.BadRequestError, match=r"could not be enforced.*lexer error"):
+        client.completions.create(**kw)
+    with pytest.raises(openai.APIError, match="could not be enforced"):
+        for _ in client.completions.create(stream=True, **kw):
+            pass
+    for _ in range(2):  # the other requests go on, constrained or not
+        out = client.completions.create(**{**kw, "extra_body": {"guided_regex": "a{3}"}})
+        assert out.choices[0].text == "aaa"
+    metrics = tiny_server.wait_idle()
+    assert metrics["llmserve:num_requests_running"] == 0
+
+
 def test_tiny_json_schema_streamed_equals_whole(tiny_server):
     client = _client(tiny_server, API_KEY)
     kw = dict(model=tiny_server.model, messages=ASK, max_tokens=60, temperature=0,

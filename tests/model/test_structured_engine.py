@@ -96,3 +96,30 @@ def test_a_constrained_request_with_logprobs_and_n(tiny):
     assert len(out.outputs) == 3
     for c in out.outputs:
         assert c.text in CHOICES and len(c.logprobs) == len(c.token_ids)
+
+
+def test_a_grammar_that_gives_up_fails_its_request_alone(tiny):
+    """A constraint llguidance gives up on while generating (n = 2: both sequences) ends
+    as failed, its blocks freed; requests batched with it are unchanged."""
+    llm = LLM(tiny, max_model_len=512, num_kv_blocks=256)
+    requests = _requests()
+    want = _run(llm, requests, alone=False)
+    bad = SamplingParams(n=2, max_tokens=20, temperature=1.0, seed=1,
+                         structured_outputs=StructuredOutputsParams(regex="a{1000000}"))
+    with pytest.raises(ValueError, match="could not be enforced"):
+        llm.generate([[101, 102]], bad)
+    assert llm.engine.stats().kv_blocks_used == 0 and not llm.engine.has_unfinished()
+    core = llm.engine
+    core.add_request("bad", [101, 102], bad)
+    for i, (prompt, params) in enumerate(requests):
+        core.add_request(f"ok-{i}", prompt, params)
+    tokens, ended, failed = {}, set(), []
+    while core.has_unfinished():
+        for o in core.step():
+            tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+            if o.finished:
+                ended.add(o.request_id)
+        failed += core.take_failed()
+    assert [rid for rid, _ in failed] == ["bad"] and "bad" not in ended
+    assert [tokens[f"ok-{i}"] for i in range(len(requests))] == [o.token_ids for o in want]
+    assert core.stats().kv_blocks_used == 0

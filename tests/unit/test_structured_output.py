@@ -329,3 +329,26 @@ def test_no_effect_fields_are_declared_and_documented():
     for name in NO_EFFECT:
         assert name in fields, name
         assert f"`{name}`" in readme, name
+
+
+def test_a_grammar_that_fails_while_generating_is_reported(backend, smol_tokenizer):
+    """llguidance builds its states lazily: a regex of a million repeats passes the checks
+    when the request is made and gives up after a token or two; a schema that is only a
+    reference to itself, at the first mask. The mask then allows only the end, and the
+    failure is kept, once, for the engine to end the request as failed."""
+    vocab = smol_tokenizer.vocab_size
+    for constraint, reason in ((StructuredOutputsParams(regex="a{1000000}"), "lexer error"),
+                               (StructuredOutputsParams(json={"$ref": "#"}), "NoExtension")):
+        validate_structured(constraint)  # nothing to refuse up front
+        for _ in range(20):
+            allowed = _allowed(backend.masks([_item("g", constraint)])[0], vocab)
+            if allowed <= smol_tokenizer.stop_token_ids:
+                break
+            backend.accept("g", [max(allowed)])  # within the grammar
+        assert allowed <= smol_tokenizer.stop_token_ids
+        failed = backend.take_failed()
+        assert list(failed) == ["g"] and failed["g"].startswith(reason), failed
+        assert "\n" not in failed["g"]  # the reason, without the matcher's state
+        backend.masks([_item("g", constraint)])  # still failed: kept once
+        assert backend.take_failed() == {}
+        backend.free("g")

@@ -81,6 +81,7 @@ class EngineCore:
         self.kv_manager = KVCacheManager(num_blocks, cache.block_size, enable_caching=True,
                                          groups=groups)
         self._families: dict[str, list[str]] = {}
+        self._failed: list[tuple[str, str]] = []  # (request id, why): take_failed
         self.scheduler = Scheduler(config.scheduler, self.kv_manager)
         start = time.perf_counter()
         self.runner = ModelRunner(self.loaded.model, arch, num_blocks=num_blocks,
@@ -231,6 +232,7 @@ class EngineCore:
                 self.steps_ahead += 1
         result = handle.result()
         changed = self.scheduler.update(sched, result)
+        failed = self._grammar_failures()
         if self.speculator is not None:
             self.speculator.observe(sched, result, time.perf_counter() - start)
             # Requests that ended outside a step (too long for the cache...).
@@ -238,6 +240,10 @@ class EngineCore:
                 self.speculator.free(rid)
         outputs = []
         for r in changed:
+            if r.parent_id in failed:  # reported as failed instead (take_failed)
+                if r.is_finished:
+                    self._forget(r)
+                continue
             prompt_lp = None
             if r.prompt_logprobs is not None and not r.prompt_logprobs_sent:
                 prompt_lp, r.prompt_logprobs_sent = r.prompt_logprobs, True
@@ -249,7 +255,34 @@ class EngineCore:
                 prompt_lp, r.first_scheduled_time))
             if r.is_finished:
                 self._forget(r)
+        for parent in failed:  # its other sequences (n > 1) end with it
+            self.abort(parent)
         return outputs
+
+    def take_failed(self) -> list[tuple[str, str]]:
+        """(request id, why) of the requests that failed in steps since the last call: they
+        are ended, their blocks freed, and no output of theirs was returned."""
+        failed, self._failed = self._failed, []
+        return failed
+
+    def _grammar_failures(self) -> set[str]:
+        """The requests whose output's grammar failed in this step (or in the step after,
+        whose masks may already be computed): recorded for ``take_failed``."""
+        grammar = self.runner.grammar
+        if grammar is None:
+            return set()
+        parents = set()
+        for child_id, reason in grammar.take_failed().items():
+            parent = next((p for p, family in self._families.items() if child_id in family),
+                          None)
+            if parent is None or parent in parents:
+                continue  # ended meanwhile (aborted), or one of its sequences failed already
+            parents.add(parent)
+            self._failed.append((parent, (
+                f"the output's structured-output constraint could not be enforced: the "
+                f"grammar engine gave up while generating ({reason}); the schema, regex or "
+                "grammar is beyond its limits: simplify it")))
+        return parents
 
     def _forget(self, r: Request) -> None:
         if self.speculator is not None:

@@ -10,11 +10,19 @@ it are discarded anyway.
 
 A matcher follows the tokens the request emits (``accept``); it lives until the request
 ends (``free``), through preemption (a preempted request keeps its output).
+
+A grammar that passes the checks when the request is made can still fail while it
+generates: llguidance builds its lexer and parser states lazily and gives up past its
+limits (a schema that refers to itself, a regex of a million repeats). The mask then
+allows only the end of the sequence, and the failure is kept (``take_failed``): the engine
+ends the request as failed, with llguidance's reason, rather than answer with text that
+stopped short of the grammar.
 """
 
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -38,6 +46,9 @@ class GrammarBackend:
         self.words = (vocab_size + 31) // 32
         self._matchers: dict[str, LLMatcher] = {}
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        self._failed: dict[str, str] = {}  # request id -> llguidance's error (take_failed)
+        self._reported: set[str] = set()  # requests whose failure was kept, until freed
+        self._failed_lock = threading.Lock()  # written by the worker, taken by the engine
 
     @functools.cached_property
     def ll_tokenizer(self) -> LLTokenizer:
@@ -63,7 +74,7 @@ class GrammarBackend:
             drafts = s.draft_token_ids
             walked = matcher.validate_tokens(drafts) if drafts else 0
             for j in range(walked + 1):  # row j: after drafts 0..j-1
-                self._fill(matcher, bitmask[row + j])
+                self._fill(s.request_id, matcher, bitmask[row + j])
                 if j < walked:
                     matcher.consume_token(drafts[j])
             if walked:
@@ -77,8 +88,8 @@ class GrammarBackend:
         if matcher is None:
             return
         for t in token_ids:
-            if matcher.is_stopped():  # complete: only the end of the sequence was allowed
-                return
+            if matcher.is_stopped() or matcher.is_error():  # complete, or failed (its mask
+                return  # allowed only the end of the sequence)
             if not matcher.consume_token(t):
                 logger.warning("request %s: the grammar refused token %d: %s", request_id, t,
                                matcher.get_error())
@@ -86,6 +97,15 @@ class GrammarBackend:
 
     def free(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)
+        with self._failed_lock:
+            self._reported.discard(request_id)
+
+    def take_failed(self) -> dict[str, str]:
+        """Requests whose grammar failed since the last call, with llguidance's reason (the
+        first line of its error: "lexer error: too many expressions constructed")."""
+        with self._failed_lock:
+            failed, self._failed = self._failed, {}
+        return failed
 
     def _matcher(self, s: ScheduledRequest) -> LLMatcher:
         matcher = self._matchers.get(s.request_id)
@@ -93,21 +113,27 @@ class GrammarBackend:
             assert s.sampling_params.structured_outputs is not None
             grammar = compile_grammar(s.sampling_params.structured_outputs)
             matcher = LLMatcher(self.ll_tokenizer, grammar, log_level=0)
-            if matcher.is_error():  # checked when the request was made; never expected
-                logger.error("request %s: grammar failed: %s", s.request_id,
-                             matcher.get_error())
             self._matchers[s.request_id] = matcher
         return matcher
 
-    def _fill(self, matcher: LLMatcher, target: torch.Tensor) -> None:
-        if matcher.is_error():
+    def _fill(self, request_id: str, matcher: LLMatcher, target: torch.Tensor) -> None:
+        if not matcher.is_error():
+            matcher.unsafe_compute_mask_ptr(target.data_ptr(), target.numel() * 4)
+        if matcher.is_error():  # before, or while computing this mask
+            with self._failed_lock:
+                if request_id not in self._reported:
+                    error = matcher.get_error()  # its reason, then the matcher's state
+                    reason = error.strip().split("\n", 1)[0]
+                    logger.warning("request %s: its grammar failed while generating: %s",
+                                   request_id, reason)
+                    logger.debug("request %s: the grammar's state: %s", request_id, error)
+                    self._reported.add(request_id)
+                    self._failed[request_id] = reason
             # Only the end of the sequence is left: end the request rather than emit text
-            # outside the grammar.
+            # outside the grammar (the engine reports it failed).
             target.zero_()
             for t in self.eos_token_ids:
                 target[t // 32] |= _bit(t % 32)
-            return
-        matcher.unsafe_compute_mask_ptr(target.data_ptr(), target.numel() * 4)
 
 
 def _bit(i: int) -> int:
