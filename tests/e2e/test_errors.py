@@ -250,6 +250,8 @@ def _tool(**function) -> dict:
     ("/v1/completions", {"prompt": "hi", "response_format": _schema({"\ud800": {}})},
      "response_format.json_schema.schema.properties",
      "a key in response_format.json_schema.schema.properties has a lone surrogate (U+D800)"),
+    ("/v1/completions", {"prompt": "hi", "guided_json": {"type": "array", "minItems": 10**30}},
+     "guided_json", "Expected positive integer for 'minItems'"),
     ("/v1/completions", {"prompt": "hi", "guided_regex": "a\udc00"}, "guided_regex",
      "lone surrogate (U+DC00) at character 1"),
     ("/v1/chat/completions", {**_chat("hi"), "tools": [_tool(description="\ud800")]},

@@ -28,8 +28,9 @@ class GrammarError(ValueError):
 
 def compile_grammar(params: StructuredOutputsParams) -> str:
     """The llguidance grammar (its JSON text) of a constraint; not yet validated."""
-    if params.json is not None:
-        return LLMatcher.grammar_from_json_schema(_schema(params.json), defaults=JSON_OPTIONS)
+    if params.json is not None:  # as text: llguidance reads numbers of any size from it
+        return LLMatcher.grammar_from_json_schema(
+            json.dumps(_schema(params.json), ensure_ascii=False), defaults=JSON_OPTIONS)
     if params.json_object:
         return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
     if params.regex is not None:
