@@ -4,7 +4,8 @@
 # SKIP_TESTS=1, SKIP_BENCH=1 and SERVER=0 skip each; TEST_FILES replaces the test files),
 # then, with PROFILE=variant,...,
 # benchmarks/cuda_profile.py's kernel table and those variants (PROFILE_TIMEOUT, default 120;
-# PROFILE_ARGS, e.g. "--rounds 2"). Expects .gpu/whl (wheels of what the machine's image lacks for the
+# PROFILE_ARGS, e.g. "--rounds 2"), and with ATTENTION=1 benchmarks/cuda_attention.py (the
+# decode attention's time a layer inside a graph; ATTENTION_TIMEOUT, default 120). Expects .gpu/whl (wheels of what the machine's image lacks for the
 # engine and the server) and .gpu/tokenizer (SmolLM2's tokenizer, saved), carried along
 # (benchmarks/cuda_payload.sh makes them). Writes logs and results to $OUT (default:
 # ./cuda-out).
@@ -42,4 +43,8 @@ if [ -n "${PROFILE:-}" ]; then  # where a decode step's GPU time goes, and varia
   timeout "${PROFILE_TIMEOUT:-120}" python3 benchmarks/cuda_profile.py --tokenizer .gpu/tokenizer \
       --variants "$PROFILE" --out "$OUT/profile.json" ${PROFILE_ARGS:-} 2>&1 | grep -v " INFO " \
       | tee "$OUT/profile.log" | sed -n 1,40p  # (head would stop the run with SIGPIPE)
+fi
+if [ "${ATTENTION:-0}" = 1 ]; then  # the decode attention a layer, inside a CUDA graph
+  timeout "${ATTENTION_TIMEOUT:-120}" python3 benchmarks/cuda_attention.py \
+      --out "$OUT/attention.json" ${ATTENTION_ARGS:-} 2>&1 | tee "$OUT/attention.log" | tail -15
 fi
