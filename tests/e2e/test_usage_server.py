@@ -215,6 +215,32 @@ def test_revoked_keys_are_refused_without_a_restart(server, keys, data_dir):
     assert wait_for(lambda: post(server, new).status_code == 200)
 
 
+def test_revoking_the_last_key_locks_the_server(tiny_path, tmp_path):
+    """A server that requires keys keeps requiring one when its last key is revoked
+    (it used to open to everyone), and one started on a database of revoked keys only
+    requires one too."""
+    data = tmp_path / "data"
+    only = cli(data, "keys", "create", "--name", "only").strip()
+    srv = start_server(tiny_path, tmp_path, "--data-dir", str(data), "--max-model-len", "256",
+                       name="locked")
+    try:
+        assert post(srv, None).status_code == 401 and post(srv, only).status_code == 200
+        cli(data, "keys", "revoke", "only")
+        assert wait_for(lambda: post(srv, only).status_code == 401)
+        time.sleep(2 * 2.0)  # two more reads of the keys
+        assert post(srv, None).status_code == 401
+        assert httpx.get(f"{srv.url}/health").status_code == 200
+    finally:
+        assert srv.stop() == 0
+    assert "none active; every request is refused" in Path(srv.log_path).read_text()
+    again = start_server(tiny_path, tmp_path, "--data-dir", str(data), "--max-model-len",
+                         "256", name="again")
+    try:
+        assert post(again, None).status_code == 401
+    finally:
+        again.stop()
+
+
 def test_the_database_survives_a_restart_and_nothing_is_lost_at_shutdown(
         server, keys, data_dir, tiny_path, tmp_path):
     sent = [post(server, keys["acct"], max_tokens=4).json()["usage"] for _ in range(3)]

@@ -76,11 +76,14 @@ class Accounts:
         self.limiter = RateLimiter()
         self.refresh_interval = refresh_interval
         self._keys: dict[str, KeyInfo] = self.store.active_by_hash() if self.store else {}
+        # A database that holds a key, even only revoked ones, requires one: revoking the
+        # last key must not open the server to everyone.
+        self._keyed = self.store.any_created() if self.store else False
         self._refresher: asyncio.Task | None = None
 
     @property
     def required(self) -> bool:
-        return self.api_key is not None or bool(self._keys)
+        return self.api_key is not None or self._keyed or bool(self._keys)
 
     def describe(self) -> str:
         where = f"usage in {self.db.url}" if self.db else "no usage database"
@@ -138,12 +141,17 @@ class Accounts:
             await asyncio.sleep(self.refresh_interval)
             try:
                 keys = await asyncio.to_thread(self.store.active_by_hash)
+                keyed = keys or await asyncio.to_thread(self.store.any_created)
             except Exception as e:  # keep the last good view of the keys
                 logger.warning("reading API keys failed (keeping the last ones read): %s", e)
                 continue
             if keys.keys() != self._keys.keys():
-                logger.info("API keys changed: %d active", len(keys))
-            self._keys = keys
+                if keys or self.api_key is not None:
+                    logger.info("API keys changed: %d active", len(keys))
+                else:
+                    logger.warning("API keys changed: none active; every request is refused "
+                                   "(401) until a key is created")
+            self._keys, self._keyed = keys, bool(keyed)
 
     async def close(self) -> None:
         if self._refresher is not None:

@@ -91,6 +91,12 @@ class KeyStore:
             rows = s.scalars(select(ApiKey).where(ApiKey.revoked_at.is_(None)))
             return {r.key_hash: KeyInfo.of(r) for r in rows}
 
+    def any_created(self) -> bool:
+        """Whether the database holds a key, active or revoked: the server then requires
+        one (revoking the last key locks the server; it does not open it)."""
+        with self.db.session() as s:
+            return s.scalars(select(ApiKey.id).limit(1)).first() is not None
+
     def find(self, ref: str) -> KeyInfo:
         """A key by id, by name, by the start of the key (as `keys list` shows it), or by
         the whole key."""
