@@ -393,3 +393,29 @@ def test_request_logs_keep_text_only_when_asked(db, level):
 def test_unknown_request_log_level_is_refused(db):
     with pytest.raises(ValueError, match="off, metadata, full"):
         UsageRecorder(db, request_log="everything")
+
+
+def test_one_request_the_database_refuses_holds_back_no_one(postgres):
+    """On PostgreSQL: a NUL character in a logged text (a model can write one) is stored as
+    U+FFFD, which PostgreSQL's text can hold; a request the database still refuses (here a
+    model name past its column) is dropped alone, with an error, instead of failing every
+    later write with it."""
+    db = Database(postgres.new_database("refused"))
+    try:
+        rec = UsageRecorder(db, request_log="full", flush_interval=60)
+        rec.record(UsageEvent("nul", None, "m", "/v1/completions", 3, 2, finish_reason="stop",
+                              prompt="a\x00b", output="\x00\x00"))
+        rec.record(UsageEvent("long", None, "m" * 300, "/v1/completions", 1, 1))
+        for i in range(3):
+            rec.record(UsageEvent(f"ok{i}", None, "m", "/v1/completions", 5, 7))
+        rec.flush()
+        assert (rec.events_written, rec.events_dropped) == (4, 1)
+        rec.close()
+        with db.session() as s:
+            logs = {r.request_id: r for r in s.query(RequestLog).all()}
+        assert set(logs) == {"nul", "ok0", "ok1", "ok2"}
+        assert (logs["nul"].prompt, logs["nul"].output) == ("a\ufffdb", "\ufffd\ufffd")
+        rows = usage(db)
+        assert [(r.model, r.requests, r.prompt_tokens) for r in rows] == [("m", 4, 18)]
+    finally:
+        db.close()

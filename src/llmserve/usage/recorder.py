@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from datetime import date, datetime
 
 from sqlalchemy import func, select, update
+from sqlalchemy.exc import DataError, IntegrityError
 
 from llmserve.logger import get_logger
 from llmserve.usage.database import Database
@@ -55,6 +56,7 @@ class UsageRecorder:
         self._queue: queue.SimpleQueue[UsageEvent | _Flush | None] = queue.SimpleQueue()
         self._pending: list[UsageEvent] = []
         self._written = 0
+        self._dropped = 0  # requests the database refused (logged one by one)
         self._thread = threading.Thread(target=self._run, name="usage-writer", daemon=True)
         self._thread.start()
 
@@ -65,6 +67,10 @@ class UsageRecorder:
     @property
     def events_written(self) -> int:
         return self._written
+
+    @property
+    def events_dropped(self) -> int:
+        return self._dropped
 
     def flush(self, timeout: float = 10.0) -> None:
         """Write everything recorded so far (for tests and `close`)."""
@@ -122,6 +128,11 @@ class UsageRecorder:
                 self._fold_daily(s, events)
                 if self.request_log != "off":
                     s.add_all(self._log_row(e) for e in events)
+        except (DataError, IntegrityError) as e:  # a row the database refuses: not transient
+            logger.warning("usage accounting: the database refused a batch of %d requests "
+                           "(%s); writing them one by one", len(events), e)
+            self._write_apart(events)
+            return
         except Exception as e:
             if len(events) > _MAX_PENDING:
                 del events[: len(events) - _MAX_PENDING]
@@ -129,6 +140,26 @@ class UsageRecorder:
                            len(events), e)
             return
         self._written += len(events)
+        self._pending = []
+
+    def _write_apart(self, events: list[UsageEvent]) -> None:
+        """Each request in a transaction of its own, so that one the database refuses
+        cannot hold back everyone's usage: it is dropped, with an error in the log."""
+        for i, e in enumerate(events):
+            try:
+                with self.db.session() as s:
+                    self._fold_daily(s, [e])
+                    if self.request_log != "off":
+                        s.add(self._log_row(e))
+            except (DataError, IntegrityError) as err:
+                self._dropped += 1
+                logger.error("usage accounting: request %s dropped, the database refused it: "
+                             "%s", e.request_id, err)
+                continue
+            except Exception:  # the database went away meanwhile: the rest waits
+                self._pending = events[i:]
+                return
+            self._written += 1
         self._pending = []
 
     @staticmethod
@@ -168,7 +199,14 @@ class UsageRecorder:
                           model=e.model, endpoint=e.endpoint, finish_reason=e.finish_reason,
                           prompt_tokens=e.prompt_tokens, completion_tokens=e.completion_tokens,
                           latency_seconds=e.latency_seconds,
-                          prompt=e.prompt if full else None, output=e.output if full else None)
+                          prompt=_storable(e.prompt) if full else None,
+                          output=_storable(e.output) if full else None)
+
+
+def _storable(text: str | None) -> str | None:
+    """Text as every database stores it: PostgreSQL's text holds no NUL character (a model
+    can write one, and a client can send one as a token id), so NUL is kept as U+FFFD."""
+    return text.replace("\x00", "\ufffd") if text and "\x00" in text else text
 
 
 @dataclass(frozen=True)
