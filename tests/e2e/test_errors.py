@@ -252,6 +252,8 @@ def _tool(**function) -> dict:
      "a key in response_format.json_schema.schema.properties has a lone surrogate (U+D800)"),
     ("/v1/completions", {"prompt": "hi", "guided_json": {"type": "array", "minItems": 10**30}},
      "guided_json", "Expected positive integer for 'minItems'"),
+    ("/v1/completions", {"prompt": "hi", "guided_json": {"minimum": float("nan")}},
+     "guided_json", "NaN and Infinity are not JSON numbers"),
     ("/v1/completions", {"prompt": "hi", "guided_regex": "a\udc00"}, "guided_regex",
      "lone surrogate (U+DC00) at character 1"),
     ("/v1/chat/completions", {**_chat("hi"), "tools": [_tool(description="\ud800")]},

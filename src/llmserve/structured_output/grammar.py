@@ -29,8 +29,14 @@ class GrammarError(ValueError):
 def compile_grammar(params: StructuredOutputsParams) -> str:
     """The llguidance grammar (its JSON text) of a constraint; not yet validated."""
     if params.json is not None:  # as text: llguidance reads numbers of any size from it
-        return LLMatcher.grammar_from_json_schema(
-            json.dumps(_schema(params.json), ensure_ascii=False), defaults=JSON_OPTIONS)
+        try:
+            text = json.dumps(_schema(params.json), ensure_ascii=False, allow_nan=False)
+        except ValueError:  # Python's JSON reads them; llguidance's does not
+            raise GrammarError("NaN and Infinity are not JSON numbers") from None
+        try:
+            return LLMatcher.grammar_from_json_schema(text, defaults=JSON_OPTIONS)
+        except ValueError as e:
+            raise GrammarError(str(e)) from None
     if params.json_object:
         return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
     if params.regex is not None:
