@@ -29,8 +29,9 @@ class GrammarError(ValueError):
 def compile_grammar(params: StructuredOutputsParams) -> str:
     """The llguidance grammar (its JSON text) of a constraint; not yet validated."""
     if params.json is not None:  # as text: llguidance reads numbers of any size from it
+        schema = _schema(params.json)
         try:
-            text = json.dumps(_schema(params.json), ensure_ascii=False, allow_nan=False)
+            text = json.dumps(schema, ensure_ascii=False, allow_nan=False)
         except ValueError:  # Python's JSON reads them; llguidance's does not
             raise GrammarError("NaN and Infinity are not JSON numbers") from None
         try:
