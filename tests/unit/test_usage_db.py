@@ -198,11 +198,28 @@ def test_same_name_twice_needs_the_id(db):
         store.find("ci")
 
 
-@pytest.mark.parametrize("kwargs", [{"name": " "}, {"name": "a", "requests_per_minute": 0},
-                                    {"name": "a", "tokens_per_minute": -5}])
-def test_bad_key_settings_are_refused(db, kwargs):
-    with pytest.raises(ValueError):
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"name": " "}, "needs a name"),
+    ({"name": "a", "requests_per_minute": 0}, "from 1 to"),
+    ({"name": "a", "tokens_per_minute": -5}, "from 1 to"),
+    ({"name": "a", "requests_per_minute": 10**20}, "from 1 to 2147483647"),
+    ({"name": "x" * 201}, "at most 200 characters"),
+    ({"name": "3"}, "cannot be a number"),
+])
+def test_bad_key_settings_are_refused(db, kwargs, message):
+    with pytest.raises(ValueError, match=message):
         KeyStore(db).create(**kwargs)
+    assert KeyStore(db).list() == []
+
+
+def test_only_ascii_digits_are_ids(db):
+    store = KeyStore(db)
+    _, first = store.create("first")
+    _, arabic = store.create("١")  # Arabic-Indic one: a name, not id 1
+    assert store.find("١").id == arabic.id != first.id
+    assert store.find("1").id == first.id
+    with pytest.raises(DatabaseError, match="no key '²'"):
+        store.find("²")
 
 
 # ---- token buckets ---------------------------------------------------------------------------

@@ -57,6 +57,15 @@ class KeyInfo:
                 "tokens_per_minute": self.limits.tokens_per_minute}
 
 
+NAME_MAX = 200  # the column's length
+LIMIT_MAX = 2**31 - 1  # the column: an integer, 32 bits in PostgreSQL
+
+
+def _is_id(ref: str) -> bool:
+    """Whether a reference is a key's id: ASCII digits only ("١" or "²" are names)."""
+    return ref.isascii() and ref.isdigit()
+
+
 class KeyStore:
     def __init__(self, db: Database) -> None:
         self.db = db
@@ -67,11 +76,16 @@ class KeyStore:
         name = name.strip()
         if not name:
             raise ValueError("a key needs a name (--name)")
+        if len(name) > NAME_MAX:
+            raise ValueError(f"a key's name has at most {NAME_MAX} characters, got {len(name)}")
+        if _is_id(name):
+            raise ValueError(f"a key's name cannot be a number ({name!r}): `keys revoke "
+                             f"{name}` would mean the key with id {name}")
         for flag, value in (("--requests-per-minute", requests_per_minute),
                             ("--tokens-per-minute", tokens_per_minute)):
-            if value is not None and value < 1:
-                raise ValueError(f"{flag} must be at least 1, got {value} (leave it out for "
-                                 "no limit)")
+            if value is not None and not 1 <= value <= LIMIT_MAX:
+                raise ValueError(f"{flag} must be from 1 to {LIMIT_MAX}, got {value} (leave "
+                                 "it out for no limit)")
         key = new_key()
         row = ApiKey(name=name, prefix=key[:_SHOWN], key_hash=hash_key(key),
                      created_at=utcnow(), requests_per_minute=requests_per_minute,
@@ -101,7 +115,7 @@ class KeyStore:
         """A key by id, by name, by the start of the key (as `keys list` shows it), or by
         the whole key."""
         keys = self.list()
-        if ref.isdigit():
+        if _is_id(ref):
             matches = [k for k in keys if k.id == int(ref)]
         elif ref.startswith(KEY_PREFIX) and len(ref) > _SHOWN:
             with self.db.session() as s:
