@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import socket
 import time
@@ -334,6 +335,39 @@ def test_every_error_is_in_the_envelope(tiny_server):
                    "application/json"}, content=b'{"model": "m",\n "prompt": "hi",, }')
     err = _envelope(r, 400, code="invalid_json")
     assert err["message"].startswith("invalid JSON at line 2 column 17: Expecting"), err
+
+
+def test_a_body_that_is_not_json_says_why(tiny_server):
+    url = f"{tiny_server.v1}/completions"
+    plain = b'{"prompt": "hi", "max_tokens": 1}'
+    # curl -d without a Content-Type sends a form's
+    r = httpx.post(url, content=plain, headers={
+        **AUTH, "content-type": "application/x-www-form-urlencoded"})
+    err = _envelope(r, 400, code="invalid_content_type")
+    assert "Content-Type: application/json; got Content-Type " \
+           "'application/x-www-form-urlencoded'" in err["message"], err
+    err = _envelope(httpx.post(url, content=plain, headers=AUTH), 400,
+                    code="invalid_content_type")
+    assert "got no Content-Type" in err["message"]
+    err = _envelope(httpx.post(url, headers={**AUTH, "content-type": "application/json"}), 400,
+                    code="invalid_body")
+    r = httpx.post(url, content='{"prompt": "café"}'.encode("latin-1"), headers={
+        **AUTH, "content-type": "application/json; charset=latin-1"})
+    err = _envelope(r, 400, code="invalid_json")
+    assert "must be JSON in UTF-8: byte 15 (0xe9)" in err["message"], err
+    r = httpx.post(url, content=gzip.compress(plain), headers={
+        **AUTH, "content-type": "application/json", "content-encoding": "gzip"})
+    err = _envelope(r, 415, code="unsupported_content_encoding")
+    assert "'gzip' is not supported" in err["message"]
+
+
+def test_head_wherever_get(tiny_server):
+    """Load balancers probe with HEAD: the GET's status, no body."""
+    for path, headers in (("/health", {}), ("/ready", {}), ("/metrics", {}),
+                          ("/v1/models", AUTH)):
+        r = httpx.head(f"{tiny_server.url}{path}", headers=headers)
+        assert r.status_code == 200 and r.content == b"", (path, r.status_code)
+    assert httpx.head(f"{tiny_server.url}/v1/models").status_code == 401
 
 
 def test_authentication_comes_before_the_body(tiny_server):

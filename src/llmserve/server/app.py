@@ -17,6 +17,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -106,6 +107,8 @@ def build_app(engine: AsyncLLM, config: ServerConfig, metrics: ServerMetrics,
             allowed = (exc.headers or {}).get("Allow", "")
             message = (f"method {request.method} is not allowed on {request.url.path}"
                        + (f" (allowed: {allowed})" if allowed else ""))
+        elif exc.status_code == 400 and exc.detail == "There was an error parsing the body":
+            return (await _unreadable_body(request)).response()  # FastAPI's words: say why
         else:
             message = str(exc.detail)
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
@@ -119,6 +122,8 @@ def build_app(engine: AsyncLLM, config: ServerConfig, metrics: ServerMetrics,
             body = await request.body()
             return bad_request(_json_error_message(body), code="invalid_json").response()
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        if not loc and first.get("type") in ("missing", "model_attributes_type"):
+            return _not_a_json_object(request).response()  # no body, or not sent as JSON
         param = ".".join(loc) or None
         cause = (first.get("ctx") or {}).get("error")
         if isinstance(cause, FieldError):  # a check of the whole body: it names the field
@@ -330,7 +335,16 @@ def build_app(engine: AsyncLLM, config: ServerConfig, metrics: ServerMetrics,
                 accounts.release(principal, job.reserved_tokens)
                 job.reserved_tokens = 0
 
+    _head_where_get(app)
     return app
+
+
+def _head_where_get(app: FastAPI) -> None:
+    """HEAD wherever GET is served (RFC 9110; load balancers probe with it): the GET's
+    status and headers, without the body (the HTTP server sends none for HEAD)."""
+    for route in app.routes:
+        if isinstance(route, APIRoute) and "GET" in route.methods:
+            route.methods.add("HEAD")
 
 
 def _unavailable(e: EngineUnavailableError) -> APIError:
@@ -340,6 +354,35 @@ def _unavailable(e: EngineUnavailableError) -> APIError:
 
 def _http_code(status: int) -> str:
     return {404: "not_found", 405: "method_not_allowed"}.get(status, f"http_{status}")
+
+
+def _not_a_json_object(request: Request) -> APIError:
+    """The 400 for a body that is missing or was not sent as JSON (``curl -d`` sends a
+    form's Content-Type unless told otherwise)."""
+    kind = request.headers.get("content-type")
+    if not kind:
+        got = "no Content-Type"
+    elif kind.split(";", 1)[0].strip().lower() != "application/json":
+        got = f"Content-Type {kind!r}"
+    else:
+        return bad_request("the request's body must be a JSON object", code="invalid_body")
+    return bad_request(f"the request's body must be a JSON object sent with Content-Type: "
+                       f"application/json; got {got}", code="invalid_content_type")
+
+
+async def _unreadable_body(request: Request) -> APIError:
+    """Why a body could not be read as JSON text: compressed, or not UTF-8."""
+    encoding = request.headers.get("content-encoding", "identity").strip().lower()
+    if encoding != "identity":
+        return APIError(415, f"Content-Encoding {encoding!r} is not supported: send the "
+                        "body uncompressed", code="unsupported_content_encoding")
+    body = await request.body()
+    try:
+        body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return bad_request(f"the request's body must be JSON in UTF-8: byte {e.start} "
+                           f"(0x{body[e.start]:02x}) is not valid UTF-8", code="invalid_json")
+    return bad_request(_json_error_message(body), code="invalid_json")
 
 
 def _json_error_message(body: bytes) -> str:
