@@ -341,7 +341,10 @@ def build_app(engine: AsyncLLM, config: ServerConfig, metrics: ServerMetrics,
 
 def _head_where_get(app: FastAPI) -> None:
     """HEAD wherever GET is served (RFC 9110; load balancers probe with it): the GET's
-    status and headers, without the body (the HTTP server sends none for HEAD)."""
+    status and headers, without the body (the HTTP server sends none for HEAD). The
+    published schema is made first and lists GET alone, as OpenAPI schemas do (HEAD is
+    implied; clients generated from it must not expect bodies from HEAD)."""
+    app.openapi()  # cached: /openapi.json serves this one
     for route in app.routes:
         if isinstance(route, APIRoute) and "GET" in route.methods:
             route.methods.add("HEAD")
