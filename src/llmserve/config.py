@@ -2,12 +2,58 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+import functools
+import math
+import types
+import typing
+from dataclasses import dataclass, field, fields, is_dataclass, replace
 
 from llmserve.models.names import DEFAULT_MODEL
 
 SCHEDULING_MODES = ("continuous", "static")
 SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
+def check_field_types(config) -> None:
+    """Each field of a config dataclass of the type its annotation names (int, float, bool,
+    str, tuples, nested configs, and None where it is optional), and every float finite:
+    the Python API's callers get a ValueError naming the field, as the command line's get
+    argparse's ("max_model_len must be an integer, got '64'"), not a TypeError from deep
+    inside or a value taken silently (64.5 tokens, "no" as true)."""
+    hints = _field_hints(type(config))
+    for f in fields(config):
+        allowed = hints.get(f.name)
+        value = getattr(config, f.name)
+        if allowed is None:
+            continue
+        if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed):
+            names = {bool: "true or false", int: "an integer", float: "a number",
+                     str: "a string", tuple: "a tuple", type(None): "None"}
+            kinds = " or ".join(dict.fromkeys(names.get(t, t.__name__) for t in allowed
+                                              if not (t is int and float in allowed)))
+            raise ValueError(f"{f.name} must be {kinds}, got {value!r}")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{f.name} must be a finite number, got {value}")
+
+
+@functools.cache
+def _field_hints(cls: type) -> dict[str, tuple[type, ...]]:
+    """Field name -> the types its values may have (fields of other annotations: absent)."""
+    out = {}
+    for name, hint in typing.get_type_hints(cls).items():
+        args = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+        allowed: list[type] = []
+        for arg in args:
+            arg = typing.get_origin(arg) or arg
+            if arg is float:
+                allowed += [int, float]
+            elif arg in (int, bool, str, tuple, type(None)) or is_dataclass(arg):
+                allowed.append(arg)
+            else:
+                break
+        else:
+            out[name] = tuple(allowed)
+    return out
 
 
 @dataclass(frozen=True)
@@ -22,6 +68,7 @@ class ModelConfig:
     enforce_eager: bool = False
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         check_device(self.device)
@@ -100,6 +147,7 @@ class CacheConfig:
     def __post_init__(self) -> None:
         from llmserve.attention.kv_format import KV_CACHE_DTYPE_CHOICES
 
+        check_field_types(self)
         if self.kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPE_CHOICES}, "
                              f"got {self.kv_cache_dtype!r}")
@@ -125,6 +173,7 @@ class SchedulerConfig:
     async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise ValueError(f"async_scheduling must be true, false or null, got "
                              f"{self.async_scheduling!r}")
@@ -181,6 +230,7 @@ class SpeculativeConfig:
     adaptive: bool = True
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative method must be one of {SPECULATIVE_METHODS}, "
                              f"got {self.method!r}")
@@ -243,6 +293,14 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
+        check_field_types(self)
+        if not -2**63 <= self.seed < 2**64:  # what torch.manual_seed takes
+            raise ValueError(f"seed must be in [-2^63, 2^64), got {self.seed}")
+        memory = self.cache.kv_cache_memory_gib
+        if memory is not None and not self.model.device.startswith("cuda"):
+            from llmserve.kv_cache.sizing import check_kv_cache_memory
+
+            check_kv_cache_memory(memory, self.model.device)  # CUDA: where the model loads
         if self.cache.block_size is None:
             object.__setattr__(self, "cache", replace(
                 self.cache, block_size=default_block_size(self.model.device)))
@@ -283,6 +341,7 @@ class ServerConfig:
     cost_per_hour: float | None = None  # the console's cost per 1K output tokens
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         for name in ("max_queued_requests", "max_queued_tokens"):
@@ -308,5 +367,7 @@ class ServerConfig:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name.replace('_', '-')} must be > 0 seconds, "
                                  f"got {getattr(self, name)}")
+        if self.max_body_bytes < 1:
+            raise ValueError(f"max-body-bytes must be >= 1, got {self.max_body_bytes}")
         if self.shutdown_timeout < 0:
             raise ValueError(f"shutdown-timeout must be >= 0, got {self.shutdown_timeout}")

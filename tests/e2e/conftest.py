@@ -68,14 +68,17 @@ def free_port() -> int:
 
 
 def start_server(model: str, tmp_path, *args: str, name: str = "server",
-                 port: int | None = None) -> LiveServer:
+                 port: int | None = None, new_session: bool = False) -> LiveServer:
+    """``new_session``: the server leads a process group of its own (so a test can signal
+    the whole group, as systemd and ``timeout`` do)."""
     port = port or free_port()
     log_path = str(tmp_path / f"{name}-{port}.log")
     log = open(log_path, "w")  # noqa: SIM115  (lives as long as the process)
     cmd = [sys.executable, "-m", "llmserve.cli", "serve", "--model", model, "--port", str(port),
            "--kv-cache-memory", "0.25", *args]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                            start_new_session=new_session)
     server = LiveServer(proc, f"http://127.0.0.1:{port}", model, log_path)
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -153,9 +156,13 @@ def test_health_is_answered_while_the_engine_is_saturated(tiny_server):
     tiny_server.wait_idle()
 
 
-def test_sigterm_under_load_drains_and_exits_0(tiny_path, tmp_path):
+@pytest.mark.parametrize("to_group", [False, True], ids=["to-server", "to-process-group"])
+def test_sigterm_under_load_drains_and_exits_0(tiny_path, tmp_path, to_group):
+    """SIGTERM to the server, or to its whole process group as systemd and `timeout` send
+    it: the engine process ignores it (it used to die, and the server started another one
+    while draining, failing the running requests); the server drains and stops it."""
     server = start_server(tiny_path, tmp_path, "--shutdown-timeout", "3",
-                          "--max-model-len", "1024", name="sigterm")
+                          "--max-model-len", "1024", name="sigterm", new_session=to_group)
 
     async def go() -> tuple[list[str], list[list[str]], int, int]:
         async with httpx.AsyncClient(timeout=60) as client:
@@ -172,7 +179,10 @@ def test_sigterm_under_load_drains_and_exits_0(tiny_path, tmp_path):
             short = [asyncio.ensure_future(stream(20)) for _ in range(2)]
             long = [asyncio.ensure_future(stream(5000 // 5)) for _ in range(2)]
             await asyncio.to_thread(_wait_running, server)
-            server.proc.send_signal(15)
+            if to_group:
+                os.killpg(server.proc.pid, signal.SIGTERM)
+            else:
+                server.proc.send_signal(signal.SIGTERM)
             await asyncio.sleep(0.3)
             ready = (await client.get(f"{server.url}/ready")).status_code
             new = await client.post(f"{server.v1}/completions",
@@ -189,3 +199,5 @@ def test_sigterm_under_load_drains_and_exits_0(tiny_path, tmp_path):
         assert lines[-1] == "data: [DONE]"
         assert "shutting_down" in lines[-2] or '"finish_reason": "length"' in lines[-2]
     assert server.proc.wait(30) == 0
+    log = Path(server.log_path).read_text()
+    assert "died" not in log and "restarted" not in log, log[-2000:]

@@ -86,3 +86,51 @@ def test_chat_streams_answers_and_keeps_history():
     answers = [line for line in proc.stdout.splitlines() if line.strip()]
     assert "Paris" in answers[0]
     assert "Rome" in proc.stdout
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--host", "no such host!"], "--host 'no such host!'"),
+    (["--kv-cache-memory", "1e9"], "more than this machine's"),
+    (["--kv-cache-memory", "nan"], "kv_cache_memory_gib must be a finite number"),
+    (["--request-timeout", "nan"], "request_timeout must be a finite number"),
+    (["--seed", "99999999999999999999999"], "seed must be in [-2^63, 2^64)"),
+    (["--max-body-bytes", "0"], "max-body-bytes must be >= 1"),
+])
+def test_bad_serve_options_fail_before_the_model_loads(args, message):
+    """Each named in one line, exit 2, before the engine starts (these used to fail after
+    the model loaded, with a traceback or words that named no option, or not at all)."""
+    out = _run_cli("serve", "--no-database", "--port", "0", *args)
+    assert out.returncode == 2, out.stderr
+    assert message in out.stderr and "Traceback" not in out.stderr, out.stderr
+    assert "engine process" not in out.stderr
+
+
+def test_a_port_in_use_fails_before_the_model_loads():
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = _run_cli("serve", "--no-database", "--port", str(port))
+    assert out.returncode == 2
+    assert f"cannot listen on 127.0.0.1:{port} (--host, --port)" in out.stderr, out.stderr
+
+
+def test_config_fields_of_the_wrong_type_are_named():
+    """The Python API's configs check their fields' types (the command line's argparse
+    does it for the CLI)."""
+    from llmserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+
+    for make, message in (
+            (lambda: ModelConfig(max_model_len="64"), "max_model_len must be an integer or "
+                                                      "None, got '64'"),
+            (lambda: ModelConfig(max_model_len=64.5), "got 64.5"),
+            (lambda: ModelConfig(model=None), "model must be a string, got None"),
+            (lambda: CacheConfig(enable_prefix_caching="no"), "must be true or false"),
+            (lambda: CacheConfig(kv_cache_memory_gib=float("inf")), "finite"),
+            (lambda: SchedulerConfig(max_num_seqs=1.5), "max_num_seqs must be an integer"),
+            (lambda: EngineConfig(seed="1"), "seed must be an integer, got '1'")):
+        with pytest.raises(ValueError, match=message):
+            make()
+    CacheConfig(kv_cache_memory_gib=1)  # an int where a float goes is fine

@@ -58,7 +58,8 @@ class EngineCore:
                            cache.block_size, kv_bytes_per_vector(kv_dtype, arch.head_dim),
                            kv_dtype, groups)
         num_blocks = cache.num_blocks or num_blocks_for_memory(
-            spec, cache.kv_cache_memory_gib or default_kv_cache_memory_gib(mc.device))
+            spec, cache.kv_cache_memory_gib or default_kv_cache_memory_gib(mc.device),
+            mc.device)
         step_tokens = config.scheduler.max_num_batched_tokens
         capacity = spec.max_sequence_tokens(num_blocks, step_tokens)
         if capacity < 1:
@@ -66,6 +67,13 @@ class EngineCore:
                              f"model's {len(groups)} KV cache groups need a block each; give "
                              "it more memory (--kv-cache-memory) or more blocks")
         self.max_model_len = self._resolve_max_model_len(capacity)
+        budget = config.scheduler.max_num_batched_tokens
+        if not config.scheduler.enable_chunked_prefill and budget < self.max_model_len:
+            raise ValueError(
+                f"without chunked prefill a prompt is computed in one step, but a step holds "
+                f"{budget} tokens (max_num_batched_tokens) and a prompt may have up to "
+                f"{self.max_model_len} (max_model_len): raise max_num_batched_tokens to "
+                f"{self.max_model_len}, lower max_model_len, or enable chunked prefill")
         self.kv_spec = spec
         per_sequence = spec.bytes_per_sequence(self.max_model_len, 1)  # while decoding
         logger.info(describe_capacity(spec, num_blocks, self.max_model_len, step_tokens))

@@ -66,7 +66,11 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
                     parent_pid: int) -> None:
     """Entry point of the engine process: load, warm up, say ready, then serve messages."""
     die_with_parent(parent_pid)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # The API server owns the engine's lifetime: it drains, then sends Shutdown (and kills
+    # it past a deadline), and the engine dies with it. Ctrl-C, systemd and `timeout` signal
+    # the whole process group: the engine must not die under the requests being drained.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     ctx = zmq.Context()
     out = ctx.socket(zmq.PUSH)
     out.connect(output_addr)

@@ -76,7 +76,22 @@ def default_kv_cache_memory_gib(device: str = "cpu") -> float:
     return max(0.25, min(2.0, 0.1 * available))
 
 
-def num_blocks_for_memory(spec: KVCacheSpec, memory_gib: float) -> int:
+def check_kv_cache_memory(memory_gib: float, device: str = "cpu") -> None:
+    """Refuse a budget larger than the device's whole memory: the cache would fail later,
+    under load, or (its block pool alone) exhaust the host first."""
+    if device.startswith("cuda"):
+        import torch
+
+        total, where = torch.cuda.mem_get_info(torch.device(device))[1], f"{device}'s"
+    else:
+        total, where = psutil.virtual_memory().total, "this machine's"
+    if memory_gib * GIB > total:
+        raise ValueError(f"--kv-cache-memory {memory_gib} GiB is more than {where} "
+                         f"{total / GIB:.1f} GiB of memory")
+
+
+def num_blocks_for_memory(spec: KVCacheSpec, memory_gib: float, device: str = "cpu") -> int:
+    check_kv_cache_memory(memory_gib, device)
     blocks = int(memory_gib * GIB) // spec.bytes_per_block
     if blocks < 1:
         raise ValueError(f"--kv-cache-memory {memory_gib} GiB holds no block of "

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import time
 from pathlib import Path
 
@@ -127,8 +128,37 @@ def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
     return asyncio.run(_serve(engine_config, config))
 
 
+def listen_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound before the model loads: a host that does not resolve or a
+    port in use fails at once, naming what to change, not after the load (and after the
+    log said "serving"). Not inherited by the engine and tokenizer processes."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as e:
+        raise ValueError(f"--host {host!r}: {e.strerror}") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port} (--host, --port): {e.strerror}"
+                         ) from None
+    return sock
+
+
 async def _serve(engine_config: EngineConfig, config: ServerConfig) -> int:
     started = process_age_seconds()  # interpreter start, imports, arguments
+    sock = listen_socket(config.host, config.port)
+    try:
+        return await _serve_on(sock, engine_config, config, started)
+    finally:
+        sock.close()
+
+
+async def _serve_on(sock: socket.socket, engine_config: EngineConfig, config: ServerConfig,
+                    started: float) -> int:
     app, engine, state = create_app(engine_config, config)
     accounts: Accounts = app.state.accounts
     logger.info("access: %s", accounts.describe())
@@ -152,9 +182,10 @@ async def _serve(engine_config: EngineConfig, config: ServerConfig) -> int:
     app.state.tokenizers.start()
     accounts.start()
     freeze_startup_objects("API server")
-    logger.info("serving %s on http://%s:%d", model_name, config.host, config.port)
+    logger.info("serving %s on http://%s:%d", model_name, config.host,
+                sock.getsockname()[1])
     try:
-        await server.serve()
+        await server.serve(sockets=[sock])
     finally:
         app.state.tokenizers.shutdown()
         await engine.shutdown()
