@@ -43,6 +43,9 @@ class StructuredOutputsParams:
     grammar: str | None = None
 
     def __post_init__(self) -> None:
+        if not isinstance(self.json_object, bool):
+            raise ValueError("structured_outputs.json_object must be true or false, got "
+                             f"{self.json_object!r}")
         if self.json is not None and not isinstance(self.json, str):
             try:  # kept as text: the parameters stay immutable and cheap to send
                 text = json.dumps(self.json, ensure_ascii=False)
@@ -126,11 +129,20 @@ class SamplingParams:
             stop = ()
         elif isinstance(stop, str):
             stop = (stop,)
+        for name, value in (("stop", stop), ("stop_token_ids", self.stop_token_ids or ())):
+            if not isinstance(value, list | tuple):
+                _fail(name, f"must be a list, got {type(value).__name__}")
         object.__setattr__(self, "stop", tuple(stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
         if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, Mapping):
+                _fail("logit_bias", "must be a mapping of token id to bias, got "
+                                    f"{type(self.logit_bias).__name__}")
             object.__setattr__(self, "logit_bias", MappingProxyType(
                 {_int_key(k): v for k, v in dict(self.logit_bias).items()}))
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                _fail(name, f"must be true or false, got {getattr(self, name)!r}")
         self._validate()
 
     def _validate(self) -> None:

@@ -27,6 +27,11 @@ from llmserve.sampling_params import SamplingParams
     ({"stop": [""]}, r"stop must be non-empty strings"),
     ({"stop_token_ids": [-1]}, r"stop_token_ids must be non-negative integers"),
     ({"temperature": float("nan")}, r"temperature must be a number"),
+    ({"stop": 5}, r"stop must be a list, got int"),
+    ({"stop_token_ids": 1}, r"stop_token_ids must be a list, got int"),
+    ({"logit_bias": [1, 2]}, r"logit_bias must be a mapping of token id to bias, got list"),
+    ({"ignore_eos": "no"}, r"ignore_eos must be true or false, got 'no'"),
+    ({"skip_special_tokens": 0}, r"skip_special_tokens must be true or false, got 0"),
 ])
 def test_invalid_values_rejected(kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -83,13 +83,18 @@ class LLM:
 
         A prompt is a string, a list of token ids, or ``{"prompt_token_ids": [...]}``.
         """
-        if isinstance(prompts, str | dict) or (
-                isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        if isinstance(prompts, str | dict) or (isinstance(prompts, list | tuple) and prompts
+                                              and isinstance(prompts[0], int | float)):
+            prompts = [prompts]  # one prompt (a float is a wrong token id, named below)
+        if not isinstance(prompts, list | tuple):
+            raise TypeError(f"prompts: a prompt ({_PROMPT_KINDS}) or a list of them, got "
+                            f"{type(prompts).__name__}")
         prompts = list(prompts)
         params = self._params_list(sampling_params, len(prompts))
-        if priority is not None and len(priority) != len(prompts):
-            raise ValueError(f"priority has {len(priority)} entries for {len(prompts)} prompts")
+        if priority is not None and (len(priority) != len(prompts) or not all(
+                isinstance(p, int) and not isinstance(p, bool) for p in priority)):
+            raise ValueError(f"priority must be one integer per prompt ({len(prompts)}), "
+                             f"got {priority!r}"[:200])
         encoded = [self._encode(p) for p in prompts]
         processor = OutputProcessor(self.tokenizer)
         order = []
@@ -131,6 +136,7 @@ class LLM:
         params = sampling_params or SamplingParams()
         if params.n != 1:
             raise ValueError("stream() generates one sequence; use n=1")
+        prompt_token_ids = _token_ids(prompt_token_ids, "prompt_token_ids")
         rid = str(next(self._ids))
         self.engine.add_request(rid, prompt_token_ids, params)
         processor = OutputProcessor(self.tokenizer)
@@ -148,13 +154,14 @@ class LLM:
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-            if "prompt" in prompt:
+                return prompt.get("prompt"), _token_ids(prompt["prompt_token_ids"],
+                                                        "prompt_token_ids")
+            if isinstance(prompt.get("prompt"), str):
                 return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
-            raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
-        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            return None, list(prompt)
-        raise TypeError(f"unsupported prompt type {type(prompt).__name__}")
+            raise ValueError("a prompt dict needs 'prompt' (a string) or 'prompt_token_ids'")
+        if isinstance(prompt, list | tuple):
+            return None, _token_ids(prompt, "a prompt's token ids")
+        raise TypeError(f"a prompt is {_PROMPT_KINDS}, got {type(prompt).__name__}")
 
     @staticmethod
     def _params_list(params: SamplingParams | Sequence[SamplingParams] | None,
@@ -163,7 +170,27 @@ class LLM:
             return [SamplingParams()] * n
         if isinstance(params, SamplingParams):
             return [params] * n
+        if not isinstance(params, list | tuple) or not all(
+                isinstance(p, SamplingParams) for p in params):
+            raise TypeError("sampling_params must be a SamplingParams or a list of them, one "
+                            f"per prompt, got {type(params).__name__} (SamplingParams(**d) "
+                            "makes one of a dict)")
         params = list(params)
         if len(params) != n:
             raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
         return params
+
+
+_PROMPT_KINDS = ("a string, a list of token ids, or a dict with 'prompt' or "
+                 "'prompt_token_ids'")
+
+
+def _token_ids(ids, what: str) -> list[int]:
+    """``ids`` as a list of integers, or a TypeError naming the first that is not one (the
+    engine then checks that each is within the vocabulary)."""
+    if not isinstance(ids, list | tuple):
+        raise TypeError(f"{what} must be a list of integers, got {type(ids).__name__}")
+    for i, t in enumerate(ids):
+        if not isinstance(t, int) or isinstance(t, bool):
+            raise TypeError(f"{what} must be integers, got {t!r} at index {i}")
+    return list(ids)

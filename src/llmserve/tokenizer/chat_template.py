@@ -47,6 +47,13 @@ def _check_messages(messages: list[dict[str, Any]]) -> None:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or "role" not in m:
             raise ChatTemplateError(f"messages[{i}] must be an object with a 'role'")
+        content = m.get("content")
+        if content is None and m["role"] != "assistant" and "content" in m:
+            raise ChatTemplateError(f"messages[{i}].content is null: only an assistant's "
+                                    "message (one with tool_calls) may have none")
+        if content is not None and not isinstance(content, str | list):
+            raise ChatTemplateError(f"messages[{i}].content must be a string or a list of "
+                                    f"content parts, got {type(content).__name__}")
 
 
 def _raise(message: str) -> None:
