@@ -379,6 +379,12 @@ def test_authentication_comes_before_the_body(tiny_server):
     _envelope(r, 401, code="invalid_api_key")
     assert httpx.get(f"{tiny_server.url}/openapi.json").status_code == 401
     assert httpx.get(f"{tiny_server.url}/openapi.json", headers=AUTH).status_code == 200
+    # two Authorization headers (a bad one, then the key): which counts would depend on
+    # who reads them, so neither does
+    two = httpx.Headers([("authorization", "Bearer wrong"), *AUTH.items()])
+    err = _envelope(httpx.get(f"{tiny_server.url}/v1/models", headers=two), 400,
+                    code="invalid_api_key")
+    assert "2 Authorization headers" in err["message"]
 
 
 def test_chunked_body_over_the_limit_is_413(tiny_server):

@@ -343,7 +343,9 @@ class EngineCore:
         if length > kv_capacity_tokens:
             if asked is not None:
                 raise ValueError(f"max_model_len {asked} does not fit in the KV cache "
-                                 f"({kv_capacity_tokens} tokens); raise --kv-cache-memory")
+                                 f"({kv_capacity_tokens} tokens); give the cache more memory "
+                                 "(--kv-cache-memory, or kv_cache_memory / num_kv_blocks in "
+                                 "the Python API)")
             logger.warning("context window capped to the KV cache capacity: %d tokens "
                            "(the model allows %d)", kv_capacity_tokens, native)
             length = kv_capacity_tokens

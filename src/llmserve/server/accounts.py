@@ -178,7 +178,12 @@ class Gatekeeper:
         accounts = self.accounts
         principal: Principal | None = ANONYMOUS
         if accounts.required:
-            header = dict(scope.get("headers") or []).get(b"authorization", b"")
+            given = [v for k, v in scope.get("headers") or [] if k == b"authorization"]
+            if len(given) > 1:  # which one counts would depend on who reads them
+                return await send_error(send, APIError(
+                    400, f"{len(given)} Authorization headers: send one",
+                    code="invalid_api_key"))
+            header = given[0] if given else b""
             scheme, _, token = header.decode("latin-1").partition(" ")
             principal = (accounts.authenticate(token.strip()) if scheme.lower() == "bearer"
                          else None)
