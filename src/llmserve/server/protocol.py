@@ -25,7 +25,6 @@ from llmserve.structured_output import validate_structured
 INT32_MAX = 2**31 - 1
 
 
-_BAD_CHARS = re.compile("[\ud800-\udfff\x00]")
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
@@ -79,16 +78,12 @@ def _surrogate_message(bad: re.Match, subject: str) -> str:
 
 
 def _valid_text(value: str) -> str:
-    """Refuse what no tokenizer can take: lone surrogates (from JSON escapes like
-    "\\ud800") and NUL characters."""
-    bad = _BAD_CHARS.search(value)
-    if bad is not None:
-        ch, i = bad.group(), bad.start()
-        if ch == "\x00":
-            raise ValueError(f"contains a NUL character (U+0000) at character {i}, which "
-                             "this server does not accept")
-        raise ValueError(f"contains a lone surrogate (U+{ord(ch):04X}) at character {i}: "
-                         "text must be valid Unicode")
+    """Refuse a NUL character in text a tokenizer takes (lone surrogates are refused in the
+    whole body before the fields are read: ``_no_lone_surrogates``)."""
+    i = value.find("\x00")
+    if i >= 0:
+        raise ValueError(f"contains a NUL character (U+0000) at character {i}, which this "
+                         "server does not accept")
     return value
 
 
