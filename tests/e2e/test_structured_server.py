@@ -56,11 +56,14 @@ def test_a_grammar_that_gives_up_while_generating_fails_the_request(tiny_server)
     client = _client(tiny_server, API_KEY)
     kw = dict(model=tiny_server.model, prompt="x", max_tokens=20, temperature=0,
               extra_body={"guided_regex": "a{1000000}"})
-    with pytest.raises(openai.BadRequestError, match=r"could not be enforced.*lexer error"):
+    with pytest.raises(openai.BadRequestError, match=r"could not be enforced.*lexer error"
+                       ) as refused:
         client.completions.create(**kw)
-    with pytest.raises(openai.APIError, match="could not be enforced"):
+    assert refused.value.code == "grammar_too_complex"
+    with pytest.raises(openai.APIError, match="could not be enforced") as failed:
         for _ in client.completions.create(stream=True, **kw):
             pass
+    assert failed.value.code == "grammar_too_complex"
     for _ in range(2):  # the other requests go on, constrained or not
         out = client.completions.create(**{**kw, "extra_body": {"guided_regex": "a{3}"}})
         assert out.choices[0].text == "aaa"

@@ -120,6 +120,7 @@ def test_a_grammar_that_gives_up_fails_its_request_alone(tiny):
             if o.finished:
                 ended.add(o.request_id)
         failed += core.take_failed()
-    assert [rid for rid, _ in failed] == ["bad"] and "bad" not in ended
+    assert [f.request_id for f in failed] == ["bad"] and "bad" not in ended
+    assert failed[0].code == "grammar_too_complex"
     assert [tokens[f"ok-{i}"] for i in range(len(requests))] == [o.token_ids for o in want]
     assert core.stats().kv_blocks_used == 0

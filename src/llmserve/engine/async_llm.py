@@ -356,7 +356,7 @@ class AsyncLLM:
         self._engine_waiting_tokens = step.waiting_tokens
         self.last_stats = step.stats
         for failed in step.failed:
-            self._fail(failed.request_id, "invalid_request", failed.message)
+            self._fail(failed.request_id, "invalid_request", failed.message, failed.code)
         deltas, to_stop = self._processor.process(step.outputs)
         for rid, index in to_stop:
             self._send_abort(rid, index, stopped=True)
@@ -383,13 +383,13 @@ class AsyncLLM:
         if self.stats is not None:
             self.stats.on_step(step.stats, sum(len(o.new_token_ids) for o in step.outputs))
 
-    def _fail(self, rid: str, error: str, message: str) -> None:
+    def _fail(self, rid: str, error: str, message: str, code: str | None = None) -> None:
         tracked = self._tracked.pop(rid, None)
         if tracked is None:
             return
         self._send_abort(rid)
         self._processor.finish_aborted(rid)
-        tracked.queue.put_nowait(RequestEvent(error=error, message=message))
+        tracked.queue.put_nowait(RequestEvent(error=error, message=message, code=code))
         if self.stats is not None:
             self.stats.on_finished(error, time.monotonic() - tracked.arrival,
                                    tracked.num_tokens_prompt, tracked.generated)

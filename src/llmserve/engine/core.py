@@ -10,7 +10,7 @@ import torch
 from llmserve import envs
 from llmserve.attention.kv_format import kv_bytes_per_vector, resolve_kv_cache_dtype
 from llmserve.config import EngineConfig
-from llmserve.engine.messages import EngineCoreOutput, ModelCard
+from llmserve.engine.messages import EngineCoreOutput, ModelCard, RequestFailed
 from llmserve.engine.request import Request, RequestStatus
 from llmserve.engine.validation import check_request
 from llmserve.host_memory import retain_freed_memory
@@ -89,7 +89,7 @@ class EngineCore:
         self.kv_manager = KVCacheManager(num_blocks, cache.block_size, enable_caching=True,
                                          groups=groups)
         self._families: dict[str, list[str]] = {}
-        self._failed: list[tuple[str, str]] = []  # (request id, why): take_failed
+        self._failed: list[RequestFailed] = []  # see take_failed
         self.scheduler = Scheduler(config.scheduler, self.kv_manager)
         start = time.perf_counter()
         self.runner = ModelRunner(self.loaded.model, arch, num_blocks=num_blocks,
@@ -267,9 +267,9 @@ class EngineCore:
             self.abort(parent)
         return outputs
 
-    def take_failed(self) -> list[tuple[str, str]]:
-        """(request id, why) of the requests that failed in steps since the last call: they
-        are ended, their blocks freed, and no output of theirs was returned."""
+    def take_failed(self) -> list[RequestFailed]:
+        """The requests that failed in steps since the last call: they are ended, their
+        blocks freed, and no output of theirs was returned."""
         failed, self._failed = self._failed, []
         return failed
 
@@ -286,10 +286,10 @@ class EngineCore:
             if parent is None or parent in parents:
                 continue  # ended meanwhile (aborted), or one of its sequences failed already
             parents.add(parent)
-            self._failed.append((parent, (
+            self._failed.append(RequestFailed(parent, (
                 f"the output's structured-output constraint could not be enforced: the "
                 f"grammar engine gave up while generating ({reason}); the schema, regex or "
-                "grammar is beyond its limits: simplify it")))
+                "grammar is beyond its limits: simplify it"), code="grammar_too_complex"))
         return parents
 
     def _forget(self, r: Request) -> None:

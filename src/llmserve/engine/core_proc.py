@@ -143,7 +143,7 @@ class EngineLoop:
             if not core.has_unfinished() and not changed:
                 continue
             outputs = core.step() if core.has_unfinished() else []
-            self.failed += [RequestFailed(rid, why) for rid, why in core.take_failed()]
+            self.failed += core.take_failed()
             self.out.send(self.codec.encode(StepOutputs(
                 outputs, core.stats(), self.failed, self.num_added, self.tokens_added,
                 core.waiting_tokens())))

@@ -49,6 +49,7 @@ class RequestEvent:
     # On a failed end: "timeout", "shutdown", "engine_error" or "invalid_request".
     error: str | None = None
     message: str | None = None
+    code: str | None = None  # the error envelope's code, where the failure has its own
 
 
 class RequestStream:

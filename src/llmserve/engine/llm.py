@@ -114,8 +114,8 @@ class LLM:
 
     def _step(self, processor: OutputProcessor) -> list[SequenceDelta]:
         deltas, to_stop = processor.process(self.engine.step())
-        for rid, why in self.engine.take_failed():  # the caller's batch fails with it
-            raise ValueError(f"request {rid}: {why}")
+        for failed in self.engine.take_failed():  # the caller's batch fails with it
+            raise ValueError(f"request {failed.request_id}: {failed.message}")
         for rid, index in to_stop:
             self.engine.abort(rid, index, stopped=True)
         return deltas

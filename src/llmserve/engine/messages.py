@@ -80,6 +80,7 @@ class RequestFailed(msgspec.Struct, array_like=True):
 
     request_id: str
     message: str
+    code: str | None = None  # the error envelope's code, where the failure has its own
 
 
 class StepOutputs(msgspec.Struct, tag="step", array_like=True):

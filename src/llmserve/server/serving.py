@@ -194,7 +194,7 @@ def _error_from_event(event: RequestEvent) -> APIError:
         return APIError(503, event.message or "server shutting down", type="server_error",
                         code="shutting_down", headers={"Retry-After": "5"})
     if event.error == "invalid_request":
-        return bad_request(event.message or "invalid request")
+        return bad_request(event.message or "invalid request", code=event.code)
     if event.error == "queue_full":  # a request sent again to replicas that were full
         return APIError(429, event.message or "the server is at capacity",
                         type="rate_limit_error", code="queue_full",
