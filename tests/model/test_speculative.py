@@ -15,6 +15,7 @@ from llmserve import LLM, SamplingParams
 from llmserve.attention.kv_format import kv_bytes_per_vector
 from llmserve.config import default_block_size
 from llmserve.errors import ModelLoadError
+from llmserve.sampling_params import StructuredOutputsParams
 from llmserve.spec_decode import StepCost
 from llmserve.spec_decode.draft import DraftProposer
 
@@ -448,6 +449,21 @@ def test_the_warm_up_request_is_not_taken_for_a_users(tiny_model_dir):
     llm = LLM(str(path), max_model_len=128, num_kv_blocks=64, speculative_config=config)
     speculator = llm.engine.speculator
     llm.engine.warm_up()
+    assert not speculator.lengths
+    llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=9, ignore_eos=True))
+    assert list(speculator.lengths) == [9]
+
+
+def test_a_request_whose_grammar_failed_is_not_taken_for_an_output_length(tiny_model_dir):
+    """A request that failed (its grammar gave up while generating) ended short of what it
+    would have generated: like an abort, it leaves no output length behind."""
+    path, _ = tiny_model_dir("llama-gqa")
+    llm = LLM(str(path), max_model_len=128, num_kv_blocks=64, speculative_config=NGRAM)
+    speculator = llm.engine.speculator
+    bad = SamplingParams(temperature=0, max_tokens=9,
+                         structured_outputs=StructuredOutputsParams(regex="a{1000000}"))
+    with pytest.raises(ValueError, match="could not be enforced"):
+        llm.generate([[5, 6, 7]], bad)
     assert not speculator.lengths
     llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=9, ignore_eos=True))
     assert list(speculator.lengths) == [9]

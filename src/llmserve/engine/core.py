@@ -249,7 +249,8 @@ class EngineCore:
         outputs = []
         for r in changed:
             if r.parent_id in failed:  # reported as failed instead (take_failed)
-                if r.is_finished:
+                if r.is_finished:  # ended by its grammar's forced end, short: as an abort
+                    r.status = RequestStatus.FINISHED_ABORTED
                     self._forget(r)
                 continue
             prompt_lp = None
