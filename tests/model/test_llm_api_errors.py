@@ -48,3 +48,9 @@ def test_chunked_prefill_off_needs_a_step_for_a_whole_prompt(tiny_model_dir):
                                          r"max_num_batched_tokens to 64"):
         LLM(str(tiny_model_dir("llama-gqa")[0]), max_model_len=64, num_kv_blocks=16,
             enable_chunked_prefill=False, max_num_batched_tokens=8)
+
+
+def test_enforce_eager_off_cuda_says_it_changes_nothing(tiny_model_dir, caplog):
+    LLM(str(tiny_model_dir("llama-gqa")[0]), max_model_len=128, num_kv_blocks=64,
+        enforce_eager=True)
+    assert "enforce_eager has no effect on cpu" in caplog.text

@@ -106,6 +106,9 @@ class EngineCore:
                 logger.warning("no CUDA graphs: the %s attention backend cannot be captured "
                                "(install Triton for triton_paged); every step runs eagerly",
                                self.runner.backend.name)
+        elif mc.enforce_eager and self.runner.device.type != "cuda":
+            logger.warning("enforce_eager has no effect on %s: only CUDA steps are captured "
+                           "as graphs, every other step runs eagerly", self.runner.device)
         self.runner.grammar = GrammarBackend(self.tokenizer, arch.vocab_size,
                                              self.eos_token_ids)
         self.runner.grammar.warm_up()  # llguidance's view of the vocabulary, in background
