@@ -117,6 +117,20 @@ def test_a_port_in_use_fails_before_the_model_loads():
     assert f"cannot listen on 127.0.0.1:{port} (--host, --port)" in out.stderr, out.stderr
 
 
+def test_a_device_this_machine_lacks_is_refused_before_the_data_dir_is_opened(tmp_path):
+    import torch
+
+    device, message = "cuda", "device 'cuda': no CUDA GPU is available to this process"
+    if torch.cuda.is_available():  # one past the GPUs this machine has
+        device = f"cuda:{torch.cuda.device_count()}"
+        message = f"device '{device}': this process sees"
+    data_dir = tmp_path / "data"
+    out = _run_cli("serve", "--device", device, "--data-dir", str(data_dir), "--port", "0")
+    assert out.returncode == 2
+    assert message in out.stderr, out.stderr
+    assert not data_dir.exists()
+
+
 def test_config_fields_of_the_wrong_type_are_named():
     """The Python API's configs check their fields' types (the command line's argparse
     does it for the CLI)."""

@@ -18,7 +18,7 @@ from pathlib import Path
 import uvicorn
 from fastapi import FastAPI
 
-from llmserve.config import EngineConfig, ServerConfig
+from llmserve.config import EngineConfig, ServerConfig, check_device
 from llmserve.engine.async_llm import AsyncLLM
 from llmserve.gc_freeze import freeze_startup_objects
 from llmserve.logger import get_logger
@@ -150,6 +150,9 @@ def listen_socket(host: str, port: int) -> socket.socket:
 
 async def _serve(engine_config: EngineConfig, config: ServerConfig) -> int:
     started = process_age_seconds()  # interpreter start, imports, arguments
+    # The engine process loads the model on this machine: a device it cannot use is refused
+    # before the socket and the usage database are opened.
+    check_device(engine_config.model.device, available=True)
     sock = listen_socket(config.host, config.port)
     try:
         return await _serve_on(sock, engine_config, config, started)
