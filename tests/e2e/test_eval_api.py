@@ -67,7 +67,9 @@ def test_echo_with_logprobs_covers_prompt_then_generated_tokens(client, tiny_ser
     assert lp.tokens[:len(ids)] == [smol_tokenizer.token_text(t) for t in ids]
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
     assert all(x is not None and x <= 0 for x in lp.token_logprobs[1:])
-    assert all(0 < len(top) <= 3 for top in lp.top_logprobs[1:])
+    assert all(0 < len(top) <= 4 for top in lp.top_logprobs[1:])  # the top 3 and the token
+    assert all(top[tok] == x for tok, x, top in zip(lp.tokens[1:], lp.token_logprobs[1:],
+                                                    lp.top_logprobs[1:]))
     assert lp.tokens[len(ids):] == plain.tokens
     assert lp.token_logprobs[len(ids):] == plain.token_logprobs
     assert lp.top_logprobs[len(ids):] == plain.top_logprobs
@@ -132,7 +134,9 @@ def test_echo_of_token_id_prompts_each_choice_its_own(client, tiny_server, smol_
         assert c.text.startswith(prompt_text) and len(c.text) > len(prompt_text)
         assert len(c.logprobs.tokens) == len(ids) + 3
         assert c.logprobs.token_logprobs[0] is None
-        assert all(top == {} for top in c.logprobs.top_logprobs[1:])  # logprobs 0
+        # logprobs 0: the sampled (or echoed) token alone, as OpenAI and vLLM return it
+        assert all(top == {tok: lp} for tok, lp, top in zip(
+            c.logprobs.tokens[1:], c.logprobs.token_logprobs[1:], c.logprobs.top_logprobs[1:]))
     single = client.completions.create(model=tiny_server.model, prompt=prompts[0],
                                        max_tokens=0, echo=True, logprobs=0)
     by_index = {c.index: c for c in out.choices}
@@ -161,9 +165,10 @@ def test_echoed_logprobs_equal_the_models_own(client, tiny_server, tiny_model_di
         top = torch.topk(ref[j - 1], 5)
         want = {smol_tokenizer.token_text(t): v for t, v in zip(top.indices.tolist(),
                                                                   top.values.tolist())}
-        assert set(lp.top_logprobs[j]) == set(want)
+        # The prompt's own token too, when it is not among the 5 (OpenAI's "up to k + 1").
+        assert set(lp.top_logprobs[j]) == set(want) | {lp.tokens[j]}
         for tok, value in lp.top_logprobs[j].items():
-            assert value == pytest.approx(want[tok], abs=1e-4)
+            assert value == pytest.approx(want.get(tok, lp.token_logprobs[j]), abs=1e-4)
 
 
 def test_prompt_logprobs_are_returned_as_vllm_does(client, tiny_server, smol_tokenizer):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from typing import Annotated
 
+import httpx
 import openai
 import pytest
 from pydantic import BaseModel, Field
@@ -69,6 +70,34 @@ def test_a_grammar_that_gives_up_while_generating_fails_the_request(tiny_server)
         assert out.choices[0].text == "aaa"
     metrics = tiny_server.wait_idle()
     assert metrics["llmserve:num_requests_running"] == 0
+
+
+def test_logprobs_of_tokens_the_grammar_forbids_are_finite_json(tiny_server):
+    """A token the grammar forbids has logprob -inf, which JSON cannot hold: it goes out as
+    -9999.0 (as OpenAI and vLLM send it), whole or streamed, in both endpoints' shapes."""
+    client = _client(tiny_server, API_KEY)
+    choice = {"guided_choice": ["red", "blue"]}
+    out = client.completions.create(model=tiny_server.model, prompt="Pick a color:",
+                                    max_tokens=5, temperature=0, logprobs=5, extra_body=choice)
+    values = [v for row in out.choices[0].logprobs.top_logprobs for v in row.values()]
+    assert -9999.0 in values and min(values) == -9999.0
+    chat = client.chat.completions.create(model=tiny_server.model, messages=ASK, max_tokens=5,
+                                          temperature=0, logprobs=True, top_logprobs=5,
+                                          extra_body=choice)
+    tops = [t.logprob for c in chat.choices[0].logprobs.content for t in c.top_logprobs]
+    assert min(tops) == -9999.0
+
+    def refuse(constant):
+        raise AssertionError(f"{constant} in a streamed chunk")
+
+    body = {"model": tiny_server.model, "prompt": "Pick a color:", "max_tokens": 5,
+            "temperature": 0, "logprobs": 5, "stream": True, **choice}
+    with httpx.stream("POST", f"{tiny_server.v1}/completions", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {API_KEY}"}) as r:
+        lines = [line[6:] for line in r.iter_lines() if line.startswith("data: {")]
+    assert lines
+    for line in lines:
+        json.loads(line, parse_constant=refuse)
 
 
 def test_tiny_json_schema_streamed_equals_whole(tiny_server):

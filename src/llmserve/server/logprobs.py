@@ -31,6 +31,15 @@ class Echoed:
 
 NO_ECHO = Echoed()
 
+# The lowest logprob a response carries: a token a structured output's grammar forbids has
+# -inf, which JSON cannot hold (Python writes a bare -Infinity; strict parsers refuse it).
+# OpenAI and vLLM send -9999.0 in its place.
+MIN_LOGPROB = -9999.0
+
+
+def finite(logprob: float) -> float:
+    return max(logprob, MIN_LOGPROB)
+
 
 def top(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
     """The k most likely tokens of an entry (the chosen token comes first in it and belongs
@@ -39,9 +48,14 @@ def top(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
 
 
 def row(entry: dict[int, Logprob], k: int) -> Row:
+    """A token's row: its text and logprob, and the chosen token with the k most likely
+    (k + 1 entries, or k when it is among them: the legacy API "will always return the
+    logprob of the sampled token", as OpenAI and vLLM do)."""
     chosen = next(iter(entry.values()))
-    return (chosen.decoded_token, chosen.logprob,
-            {lp.decoded_token: lp.logprob for _, lp in top(entry, k)})
+    tops = {chosen.decoded_token: finite(chosen.logprob)}
+    for _, lp in top(entry, k):  # (a text two tokens share keeps the first's logprob)
+        tops.setdefault(lp.decoded_token, finite(lp.logprob))
+    return chosen.decoded_token, finite(chosen.logprob), tops
 
 
 def echoed_with_logprobs(tokenizer: Tokenizer, text: str, ids: list[int],
@@ -80,7 +94,8 @@ def prompt_logprobs(entries: list[dict[int, Logprob] | None] | None,
     if entries is None:
         return None
     return [None if entry is None else {
-        str(tid): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+        str(tid): {"logprob": finite(lp.logprob), "rank": lp.rank,
+                   "decoded_token": lp.decoded_token}
         for j, (tid, lp) in enumerate(entry.items()) if j == 0 or lp.rank <= k}
         for entry in entries]
 
@@ -93,9 +108,9 @@ def chat_logprobs(tokenizer: Tokenizer, entries: list[dict[int, Logprob]] | None
     for entry in entries:
         chosen_id, chosen = next(iter(entry.items()))
         content.append({
-            "token": chosen.decoded_token, "logprob": chosen.logprob,
+            "token": chosen.decoded_token, "logprob": finite(chosen.logprob),
             "bytes": list(tokenizer.token_bytes(chosen_id)),
-            "top_logprobs": [{"token": lp.decoded_token, "logprob": lp.logprob,
+            "top_logprobs": [{"token": lp.decoded_token, "logprob": finite(lp.logprob),
                               "bytes": list(tokenizer.token_bytes(tid))}
                              for tid, lp in top(entry, k)],
         })
