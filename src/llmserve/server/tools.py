@@ -18,7 +18,6 @@ its arguments match the function's parameters.
 from __future__ import annotations
 
 import json
-import re
 import secrets
 from dataclasses import dataclass
 from typing import Any
@@ -26,7 +25,6 @@ from typing import Any
 from llmserve.structured_output.grammar import JSON_OPTIONS
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
-_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
 HERMES_SYSTEM = (
     "You are a function calling AI model. You are provided with function signatures "
@@ -121,38 +119,34 @@ def tool_call_grammar(tools: list[dict[str, Any]], only: str | None, parallel: b
 
 
 def parse_tool_calls(text: str, names: set[str]) -> tuple[str | None, list[ToolCall]]:
-    """(content, calls) of a finished output: the text outside the calls (None if there is
-    none) and each call of a known function whose JSON parses. A call that does not parse
-    stays in the content, as the model wrote it."""
-    calls: list[ToolCall] = []
-    content: list[str] = []
-    pos = 0
-    for match in _CALL.finditer(text):
-        call = _parse_one(match.group(1), names)
-        if call is None:
-            continue
-        content.append(text[pos:match.start()])
-        calls.append(call)
-        pos = match.end()
-    content.append(text[pos:])
-    rest = "".join(content).strip()
-    return (rest or None) if calls else text, calls
+    """(content, calls) of a finished output: each call of a known function whose JSON
+    parses, and the text outside them (None if there is none; the whole text if there is
+    no call). A call that does not parse stays in the content, as the model wrote it. The
+    same split as a stream of the text in any pieces (``ToolCallStream``)."""
+    stream = ToolCallStream(names)
+    content, calls = stream.feed(text, final=True)
+    return (content or None) if calls else text, calls
 
 
 def _parse_one(body: str, names: set[str]) -> ToolCall | None:
+    """The call in a ``<tool_call>`` body: an object with a known function's ``name`` and
+    its ``arguments`` (or ``parameters``) as an object or as a string of one; anything else
+    is no call (as vLLM's Hermes parser has it: a call without arguments is text)."""
     try:
         obj = json.loads(body)
     except json.JSONDecodeError:
         return None
     if not isinstance(obj, dict) or obj.get("name") not in names:
         return None
-    args = obj.get("arguments", obj.get("parameters", {}))
+    args = obj.get("arguments", obj.get("parameters"))
     if isinstance(args, str):
         try:
-            json.loads(args)
+            parsed = json.loads(args)
         except json.JSONDecodeError:
             return None
-        return ToolCall(obj["name"], args)
+        return ToolCall(obj["name"], args) if isinstance(parsed, dict) else None
+    if not isinstance(args, dict):
+        return None
     return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
 
 
@@ -163,12 +157,20 @@ class ToolCallStream:
     until it is clearly not) and everything from a ``<tool_call>`` to its end tag, which
     comes out as one tool call (name and arguments together: OpenAI's clients join the
     argument fragments, and one fragment is a valid stream).
+
+    Whitespace around a call is not content: a run of whitespace is held until text
+    follows it (then it goes out), a call follows it, or the output ends with calls made
+    (then it is dropped); after a call, whitespace up to the next text is dropped. The
+    result depends on the text alone, not on how it was cut: ``parse_tool_calls`` is this
+    stream fed the whole text at once.
     """
 
     def __init__(self, names: set[str]) -> None:
         self.names = names
         self.buffer = ""
         self.calls: list[ToolCall] = []
+        self._held = ""  # whitespace that went out only if text follows it
+        self._after_call = False  # dropping whitespace up to the next text
 
     def feed(self, text: str, final: bool = False) -> tuple[str, list[ToolCall]]:
         """Content to send now and calls completed by ``text``; ``final`` flushes."""
@@ -178,10 +180,10 @@ class ToolCallStream:
             start = self.buffer.find(CALL_OPEN)
             if start < 0:
                 keep = 0 if final else _partial_tag(self.buffer)
-                content.append(self.buffer[:len(self.buffer) - keep])
+                content.append(self._text(self.buffer[:len(self.buffer) - keep]))
                 self.buffer = self.buffer[len(self.buffer) - keep:]
                 break
-            content.append(self.buffer[:start])
+            content.append(self._text(self.buffer[:start]))
             end = self.buffer.find(CALL_CLOSE, start)
             if end < 0 and not final:
                 self.buffer = self.buffer[start:]
@@ -190,15 +192,30 @@ class ToolCallStream:
             call = _parse_one(self.buffer[start + len(CALL_OPEN):
                                           end if end >= 0 else stop].strip(), self.names)
             if call is None:
-                content.append(self.buffer[start:stop])
+                content.append(self._text(self.buffer[start:stop]))
             else:
                 calls.append(call)
+                self.calls.append(call)
+                self._held, self._after_call = "", True
             self.buffer = self.buffer[stop:]
-        self.calls.extend(calls)
-        text_out = "".join(content)
-        if self.calls and not text_out.strip():
-            text_out = ""  # the newlines between calls are not an answer
-        return text_out, calls
+        if final and not self.calls:
+            content.append(self._held)
+            self._held = ""
+        return "".join(content), calls
+
+    def _text(self, text: str) -> str:
+        """What of ``text`` (outside the calls) goes out now."""
+        if self._after_call:
+            text = text.lstrip()
+            if not text:
+                return ""
+            self._after_call = False
+        body = text.rstrip()
+        if not body:
+            self._held += text
+            return ""
+        out, self._held = self._held + body, text[len(body):]
+        return out
 
 
 def _partial_tag(text: str) -> int:
