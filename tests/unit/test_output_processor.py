@@ -32,7 +32,7 @@ def _feed(tok, text, params, finish="length", append_eos=False):
     for i, t in enumerate(ids):
         last = i == len(ids) - 1
         reason = ("stop" if append_eos else finish) if last else None
-        out = EngineCoreOutput("r", 0, [t], reason, 2 if append_eos and last else None, 2, 0)
+        out = EngineCoreOutput("r", 0, [t], reason, None, 2, 0)
         ds, to_stop = proc.process([out])
         deltas += [d.text for d in ds]
         if to_stop:
@@ -116,4 +116,36 @@ def test_held_back_text_never_leaks_past_a_stop(smol_tokenizer):
 def test_eos_is_not_in_the_text(smol_tokenizer):
     _, deltas, state, _ = _feed(smol_tokenizer, "Hi there", SamplingParams(), append_eos=True)
     assert "".join(deltas) == "Hi there"
-    assert state.seqs[0].finish_reason == "stop" and state.seqs[0].stop_reason == 2
+    assert state.seqs[0].finish_reason == "stop"
+
+
+def test_the_token_that_ended_a_sequence_is_not_text(smol_tokenizer):
+    """An end of sequence (special, shown with skip_special_tokens false) or a stop token id
+    (an ordinary token) that ended the sequence is left out of the text, as vLLM leaves it,
+    unless include_stop_str_in_output; its id stays in the token ids."""
+    shown = SamplingParams(skip_special_tokens=False)
+    ids, deltas, state, _ = _feed(smol_tokenizer, "Hi there", shown, append_eos=True)
+    assert "".join(deltas) == state.seqs[0].text == "Hi there"
+    assert state.seqs[0].token_ids == ids and state.seqs[0].stop_reason is None
+    kept = SamplingParams(skip_special_tokens=False, include_stop_str_in_output=True)
+    _, deltas, state, _ = _feed(smol_tokenizer, "Hi there", kept, append_eos=True)
+    assert state.seqs[0].text == "Hi there" + smol_tokenizer.token_text(2)
+    # A stop token id: the engine ends the sequence on it ("stop", the id as stop_reason).
+    ids, deltas, state, _ = _feed(smol_tokenizer, "Hi there", SamplingParams(), finish="stop")
+    assert state.seqs[0].text == smol_tokenizer.decode(ids[:-1])
+    assert state.seqs[0].token_ids == ids
+
+
+def test_stop_strings_wait_for_min_tokens(smol_tokenizer):
+    """Text of the first min_tokens tokens is passed over by the stop strings (as vLLM does),
+    and so is a short stop string inside it that a longer one's search would reach."""
+    text = "one\ntwo\nthree\nfour"
+    n_one = len(smol_tokenizer.encode("one\ntwo"))
+    params = SamplingParams(stop=["\n", "xxxxxxxx"], min_tokens=n_one)
+    _, deltas, state, stopped_at = _feed(smol_tokenizer, text, params)
+    seq = state.seqs[0]
+    assert seq.finish_reason == "stop" and seq.stop_reason == "\n"
+    assert seq.text == "one\ntwo" and stopped_at is not None and stopped_at >= n_one
+    assert "".join(deltas) == seq.text
+    _, _, state, _ = _feed(smol_tokenizer, text, SamplingParams(stop=["\n"]))
+    assert state.seqs[0].text == "one"

@@ -93,14 +93,20 @@ class RequestState:
         new_ids: list[int] = []
         new_lps: list | None = [] if seq.logprobs is not None and out.new_logprobs else None
         stopped_by_string = False
+        # The end of sequence or stop token that ended it is not text (unless asked for),
+        # special or not: vLLM's detokenizer leaves it out too.
+        last = len(out.new_token_ids) - 1
+        stop_token = (out.finished and out.finish_reason == "stop"
+                      and not self.params.include_stop_str_in_output)
         for i, token in enumerate(out.new_token_ids):
             new_ids.append(token)
             if new_lps is not None and out.new_logprobs[i] is not None:
                 new_lps.append(self._logprob_dict(out.new_logprobs[i]))
-            seq.detok.add_tokens([token])
-            if out.finished and i == len(out.new_token_ids) - 1:
+            if not (stop_token and i == last):
+                seq.detok.add_tokens([token])
+            if out.finished and i == last:
                 seq.detok.flush()
-            if self._check_stop_strings(seq):
+            if self._check_stop_strings(seq, len(seq.token_ids) + len(new_ids)):
                 stopped_by_string = True
                 break
         seq.token_ids.extend(new_ids)
@@ -119,16 +125,21 @@ class RequestState:
                               new_lps, seq.finish_reason, seq.stop_reason)
         return delta, stopped_by_string and not ended_here
 
-    def _check_stop_strings(self, seq: _Sequence) -> bool:
+    def _check_stop_strings(self, seq: _Sequence, num_tokens: int) -> bool:
+        """Whether a stop string ends the sequence's text, now ``num_tokens`` long: not
+        before ``min_tokens`` tokens (the text of the first ones is passed over, as vLLM
+        does; a stop string may still begin in it)."""
         stops = self.params.stop
         if not stops or seq.cut is not None:
             return False
         text = seq.detok.text
-        start = max(0, seq.checked - max(len(s) for s in stops) + 1)
-        seq.checked = len(text)
+        if num_tokens <= self.params.min_tokens:
+            seq.checked = len(text)
+            return False
+        checked, seq.checked = seq.checked, len(text)
         best: tuple[int, str] | None = None
-        for stop in stops:
-            pos = text.find(stop, start)
+        for stop in stops:  # one that ends in the new text
+            pos = text.find(stop, max(0, checked - len(stop) + 1))
             if pos != -1 and (best is None or pos < best[0]):
                 best = (pos, stop)
         if best is None:

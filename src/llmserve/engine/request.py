@@ -114,7 +114,8 @@ class Request:
         params = self.sampling_params
         if n >= params.min_tokens:
             if not params.ignore_eos and last in self.eos_token_ids:
-                self.status, self.stop_reason = RequestStatus.FINISHED_STOPPED, last
+                # stop_reason stays None: the model's own end (vLLM's and OpenAI's shape)
+                self.status = RequestStatus.FINISHED_STOPPED
                 return True
             if last in params.stop_token_ids:
                 self.status, self.stop_reason = RequestStatus.FINISHED_STOPPED, last
