@@ -267,6 +267,11 @@ def _tool(**function) -> dict:
         {"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {
             "name": "f", "arguments": {"a": "\ud800"}}}]}]},
      "messages.1.tool_calls.0.function.arguments.a", "lone surrogate"),
+    # as OpenAI and vLLM refuse them
+    ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}},
+     "stream_options", "stream_options can only be set when stream is true"),
+    ("/v1/chat/completions", {**_chat("hi"), "logprobs": True, "top_logprobs": 21},
+     "top_logprobs", "top_logprobs must be in [0, 20], got 21"),
 ])
 def test_bad_inputs_are_400_with_what_was_wrong(tiny_server, path, body, param, fragment):
     # json.dumps escapes lone surrogates as \ud800, as a JavaScript client would send them

@@ -52,4 +52,4 @@ _REQUEST_FIELDS = frozenset({"response_format", "guided_json", "guided_regex", "
                              "guided_grammar", "tool_choice", "function_call", "tools",
                              "functions", "reasoning_effort", "audio", "verbosity",
                              "web_search_options", "modalities", "guided_decoding_backend",
-                             "guided_whitespace_pattern"})
+                             "guided_whitespace_pattern", "stream_options", "top_logprobs"})

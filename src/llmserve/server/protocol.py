@@ -19,7 +19,7 @@ from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
-from llmserve.sampling_params import SamplingParams, StructuredOutputsParams
+from llmserve.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 from llmserve.structured_output import validate_structured
 
 INT32_MAX = 2**31 - 1
@@ -218,6 +218,8 @@ class _SamplingFields(_Strict):
         if self.guided_whitespace_pattern is not None:
             raise ValueError("guided_whitespace_pattern is not supported: JSON is generated "
                              "compact, with ', ' and ': ' as separators")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options can only be set when stream is true")
         return self
 
     def constraint(self) -> StructuredOutputsParams | None:
@@ -415,6 +417,9 @@ class ChatCompletionRequest(_SamplingFields):
                              "produces text only (allowed: [\"text\"])")
         if self.functions is not None and self.tools is not None:
             raise ValueError("send tools or the legacy functions, not both")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got "
+                             f"{self.top_logprobs}")
         return self
 
     @property
