@@ -284,3 +284,49 @@ def test_a_server_on_postgresql(postgres, tiny_path, tmp_path):
     assert totals["prompt_tokens"] == sum(u["prompt_tokens"] for u in sent)
     assert totals["completion_tokens"] == sum(u["completion_tokens"] for u in sent) == 8
     assert url.split("@")[1] in Path(srv.log_path).read_text()  # the log says where usage goes
+
+
+def test_requests_that_end_early_are_billed_what_ran(tmp_path):
+    """A request its client gives up on is billed what the engine did for it, streaming or
+    not: its prompt and the tokens generated if it ran, nothing if it never left the queue
+    (both used to be billed the whole prompt, and a non-streaming one no tokens)."""
+    data = tmp_path / "data"
+    key = cli(data, "keys", "create", "--name", "early").strip()
+    srv = start_server("smollm2-135m-instruct", tmp_path, "--data-dir", str(data),
+                       "--request-log", "full", "--max-num-seqs", "1")
+    long = {"max_tokens": 1000, "ignore_eos": True, "temperature": 0}
+
+    def given_up(prompt: str, seconds: float, stream: bool = False) -> None:
+        body = {"model": srv.model, "prompt": prompt, "stream": stream, **long}
+        auth = {"Authorization": f"Bearer {key}"}
+        with pytest.raises(httpx.TimeoutException):  # no byte for that long: gone
+            if not stream:
+                httpx.post(f"{srv.v1}/completions", json=body, timeout=seconds, headers=auth)
+            with httpx.stream("POST", f"{srv.v1}/completions", json=body, timeout=seconds,
+                              headers=auth) as r:
+                for _ in r.iter_lines():
+                    pass
+
+    try:
+        with ThreadPoolExecutor(3) as pool:
+            running = pool.submit(given_up, "the one that runs", 3.0)
+            time.sleep(1.0)  # it holds the only sequence slot; these two wait behind it
+            queued = [pool.submit(given_up, "queued, not streamed", 0.8),
+                      pool.submit(given_up, "queued, streamed", 0.8, True)]
+            for f in [running, *queued]:
+                f.result()
+
+        def logged() -> dict | None:
+            with sqlite3.connect(data / "llmserve.db") as conn:
+                rows = conn.execute("SELECT prompt, prompt_tokens, completion_tokens, "
+                                    "finish_reason FROM request_logs").fetchall()
+            return {r[0]: r[1:] for r in rows} if len(rows) == 3 else None
+
+        rows = wait_for(logged)
+        assert rows is not None
+        assert rows["queued, not streamed"] == (0, 0, "abort")
+        assert rows["queued, streamed"] == (0, 0, "abort")
+        prompt_tokens, completion_tokens, ending = rows["the one that runs"]
+        assert prompt_tokens > 0 and 0 < completion_tokens < 1000 and ending == "abort"
+    finally:
+        assert srv.stop() == 0

@@ -63,14 +63,17 @@ class Job:
     finished: bool = False
 
     def finish(self, completion_tokens: int, cached_tokens: int, finish_reason: str,
-               texts: list[str]) -> None:
+               texts: list[str], ran: set[int] | None = None) -> None:
+        """Report the job's end once. ``ran``: the prompts that were processed (their first
+        output came back), for a job that ended early; None: all of them."""
         if self.finished:
             return
         self.finished = True
         if self.on_finish is not None:
-            self.on_finish(JobUsage(sum(len(ids) for _, ids in self.prompts),
-                                    completion_tokens, cached_tokens, finish_reason, texts,
-                                    time.monotonic() - self.started))
+            prompt_tokens = sum(len(ids) for i, (_, ids) in enumerate(self.prompts)
+                                if ran is None or i in ran)
+            self.on_finish(JobUsage(prompt_tokens, completion_tokens, cached_tokens,
+                                    finish_reason, texts, time.monotonic() - self.started))
 
 
 @dataclass(frozen=True)
@@ -214,11 +217,17 @@ async def respond(engine: AsyncLLM, job: Job, raw: Request) -> dict[str, Any]:
     (a prompt still being prefilled is aborted too)."""
     events = _merged(await _submit_all(engine, job))
     outputs: dict[int, RequestOutput] = {}
+    ran: set[int] = set()  # prompts processed: their first tokens came back
+    generated = 0
 
     async def collect() -> None:
+        nonlocal generated
         async for i, event in events:
             if event.error is not None:
                 raise _error_from_event(event)
+            if event.deltas or event.output is not None:
+                ran.add(i)
+            generated += sum(len(d.token_ids) for d in event.deltas)
             if event.output is not None:
                 outputs[i] = event.output
 
@@ -238,11 +247,10 @@ async def respond(engine: AsyncLLM, job: Job, raw: Request) -> dict[str, Any]:
         with contextlib.suppress(BaseException):
             await task  # let the cancellation land before closing the generator under it
         await events.aclose()
-        if ending:  # what finished before the end is billed; the rest never reached anyone
+        if ending:  # what ran is billed, as in a stream: not the prompts that never ran
             done = list(outputs.values())
-            job.finish(sum(len(c.token_ids) for o in done for c in o.outputs),
-                       sum(o.num_cached_tokens for o in done), ending,
-                       [c.text for o in done for c in o.outputs])
+            job.finish(generated, sum(o.num_cached_tokens for o in done), ending,
+                       [c.text for o in done for c in o.outputs], ran)
     body = _full_response(engine, job, [outputs[i] for i in range(len(job.prompts))])
     usage = body["usage"]
     job.finish(usage["completion_tokens"], usage["prompt_tokens_details"]["cached_tokens"],
@@ -318,6 +326,8 @@ async def _sse(engine: AsyncLLM, job: Job,
     started: set[int] = set()  # choices whose first chunk went out (with the echoed prompt)
     offsets: dict[int, int] = {}  # per choice: text_offset of its next logprobs token
     texts: dict[int, list[str]] = {}  # per choice, for usage accounting
+    ran: set[int] = set()  # prompts processed (their first tokens came back)
+    complete = False  # every prompt's output ended
     ending = "abort"  # until the stream ends otherwise: the client went away
     try:
         if job.kind == "chat":
@@ -334,6 +344,8 @@ async def _sse(engine: AsyncLLM, job: Job,
                 break
             if event.output is not None:
                 cached_tokens[p] = event.output.num_cached_tokens
+            if event.deltas or event.output is not None:
+                ran.add(p)
             for d in event.deltas:
                 completion_tokens += len(d.token_ids)
                 if not d.token_ids and d.finish_reason is None:
@@ -369,6 +381,7 @@ async def _sse(engine: AsyncLLM, job: Job,
                     choice["stop_reason"] = d.stop_reason
                 yield _chunk(job, [choice])
         else:
+            complete = True
             if job.include_usage:
                 usage = _usage_dict(prompt_tokens, completion_tokens,
                                     sum(cached_tokens.values()))
@@ -381,7 +394,7 @@ async def _sse(engine: AsyncLLM, job: Job,
     finally:
         await events.aclose()
         job.finish(completion_tokens, sum(cached_tokens.values()), ending,
-                   ["".join(texts[i]) for i in sorted(texts)])
+                   ["".join(texts[i]) for i in sorted(texts)], None if complete else ran)
     yield "data: [DONE]\n\n"
 
 
