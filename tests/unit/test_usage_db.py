@@ -10,8 +10,11 @@ import time
 from datetime import date
 
 import pytest
+from alembic import command
 from alembic.autogenerate import compare_metadata
+from alembic.config import Config
 from alembic.migration import MigrationContext
+from sqlalchemy import BigInteger, create_engine, inspect
 
 from llmserve.usage import (
     Database,
@@ -24,6 +27,7 @@ from llmserve.usage import (
     UsageRecorder,
     database_url,
 )
+from llmserve.usage.database import _MIGRATIONS
 from llmserve.usage.limits import duration
 from llmserve.usage.report import usage
 from llmserve.usage.schema import Base, RequestLog
@@ -73,6 +77,117 @@ def test_on_postgresql_migrations_keys_usage_and_request_logs(postgres):
         logs = s.query(RequestLog).order_by(RequestLog.request_id).all()
         assert [(r.prompt, r.output) for r in logs] == [(f"p{i}", f"o{i}") for i in range(5)]
     second.close()
+
+
+def _migrate_to(url: str, revision: str, downgrade: bool = False) -> None:
+    """Bring the database at ``url`` to ``revision`` with Alembic (as an older llmserve
+    would have left it), without opening it as a Database (which goes to the newest)."""
+    config = Config()
+    config.set_main_option("script_location", str(_MIGRATIONS))
+    engine = create_engine(url)
+    try:
+        with engine.begin() as connection:
+            config.attributes["connection"] = connection
+            (command.downgrade if downgrade else command.upgrade)(config, revision)
+    finally:
+        engine.dispose()
+
+
+_COUNTERS = {"usage_daily": ["requests", "prompt_tokens", "completion_tokens", "cached_tokens"],
+             "request_logs": ["prompt_tokens", "completion_tokens"]}
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_upgrading_a_database_of_32_bit_counters_keeps_its_rows(backend, tmp_path, request):
+    """A database created at revision 0001 (32-bit counters) and holding usage, keys and
+    request logs: opening it migrates the counters to 64 bits and keeps every row; the
+    downgrade goes back to 32 bits, rows kept too."""
+    url = (database_url(tmp_path) if backend == "sqlite"
+           else request.getfixturevalue("postgres").new_database("upgrade"))
+    _migrate_to(url, "0001")
+    engine = create_engine(url)
+    with engine.begin() as conn:
+        conn.exec_driver_sql("INSERT INTO api_keys (id, name, prefix, key_hash, created_at, "
+                             "tokens_per_minute) VALUES (1, 'alice', 'sk-llmserve-ab', "
+                             "'h1', '2026-11-01 00:00:00', 1000)")
+        conn.exec_driver_sql("INSERT INTO usage_daily (key_id, day, model, requests, "
+                             "prompt_tokens, completion_tokens, cached_tokens) VALUES "
+                             "(1, '2026-11-01', 'm', 3, 2147483647, 20, 1), "
+                             "(NULL, '2026-11-02', 'n', 1, 5, 6, 0)")
+        conn.exec_driver_sql("INSERT INTO request_logs (request_id, key_id, created_at, "
+                             "model, endpoint, prompt_tokens, completion_tokens) VALUES "
+                             "('r1', 1, '2026-11-01 12:00:00', 'm', '/v1/completions', 7, 8)")
+    engine.dispose()
+
+    db = Database(url)  # migrates to the newest revision
+    try:
+        with db.engine.connect() as conn:
+            assert compare_metadata(MigrationContext.configure(conn), Base.metadata) == []
+            columns = {t: {c["name"]: c["type"] for c in inspect(conn).get_columns(t)}
+                       for t in _COUNTERS}
+            indexes = {i["name"] for i in inspect(conn).get_indexes("usage_daily")}
+        for table, names in _COUNTERS.items():
+            for name in names:
+                assert isinstance(columns[table][name], BigInteger), (table, name)
+        assert indexes == {"ix_usage_daily_key_day_model"}
+        assert [(r.key_name, r.day, r.model, r.requests, r.prompt_tokens, r.completion_tokens,
+                 r.cached_tokens) for r in usage(db)] == [
+            ("alice", date(2026, 11, 1), "m", 3, 2147483647, 20, 1),
+            (None, date(2026, 11, 2), "n", 1, 5, 6, 0)]
+        assert KeyStore(db).find("alice").limits.tokens_per_minute == 1000
+        with db.session() as s:
+            assert [(r.request_id, r.key_id, r.prompt_tokens, r.completion_tokens)
+                    for r in s.query(RequestLog).all()] == [("r1", 1, 7, 8)]
+    finally:
+        db.close()
+
+    _migrate_to(url, "0001", downgrade=True)
+    engine = create_engine(url)
+    try:
+        with engine.connect() as conn:
+            for table, names in _COUNTERS.items():
+                types = {c["name"]: c["type"] for c in inspect(conn).get_columns(table)}
+                assert not any(isinstance(types[n], BigInteger) for n in names), table
+            assert conn.exec_driver_sql("SELECT prompt_tokens, completion_tokens FROM "
+                                        "usage_daily ORDER BY id").fetchall() == [
+                (2147483647, 20), (5, 6)]
+            assert conn.exec_driver_sql("SELECT count(*) FROM request_logs").scalar() == 1
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_a_days_counters_past_2_to_the_31_are_kept_exactly(backend, tmp_path, request):
+    """One key, model and day past 2^31-1 tokens (about 25k tokens/s all day, a cluster
+    sharing one database): PostgreSQL refused every further request of that day with
+    "integer out of range", and the recorder dropped them from usage."""
+    url = (database_url(tmp_path) if backend == "sqlite"
+           else request.getfixturevalue("postgres").new_database("big"))
+    db = Database(url)
+    try:
+        _, alice = KeyStore(db).create("alice")
+        rec = UsageRecorder(db, request_log="metadata", flush_interval=60)
+        rec.record(UsageEvent("r1", alice.id, "m", "/v1/completions", 1, 1, cached_tokens=1))
+        rec.flush()
+        top = 2**31 - 1
+        with db.engine.begin() as conn:  # as the bug report had it, after a busy day
+            conn.exec_driver_sql(f"UPDATE usage_daily SET requests = {top}, prompt_tokens = "
+                                 f"{top}, completion_tokens = {top}, cached_tokens = {top}")
+        rec.record(UsageEvent("r2", alice.id, "m", "/v1/completions", 5, 7, cached_tokens=3))
+        rec.record(UsageEvent("r3", alice.id, "m", "/v1/completions", 2**32, 1))  # one huge
+        rec.flush()
+        assert (rec.events_written, rec.events_dropped) == (3, 0)
+        rec.close()
+        (row,) = usage(db)
+        assert (row.requests, row.prompt_tokens, row.completion_tokens, row.cached_tokens,
+                row.total_tokens) == (top + 2, top + 5 + 2**32, top + 8, top + 3,
+                                      2 * top + 13 + 2**32)
+        with db.session() as s:
+            logs = {r.request_id: (r.prompt_tokens, r.completion_tokens)
+                    for r in s.query(RequestLog).all()}
+        assert logs == {"r1": (1, 1), "r2": (5, 7), "r3": (2**32, 1)}
+    finally:
+        db.close()
 
 
 def _open_at_once(url: str, n: int = 6) -> list[str]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from datetime import date, datetime
 
-from sqlalchemy import Date, DateTime, Float, ForeignKey, Index, Integer, String, Text
+from sqlalchemy import BigInteger, Date, DateTime, Float, ForeignKey, Index, Integer, String, Text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 
@@ -32,7 +32,8 @@ class ApiKey(Base):
 class DailyUsage(Base):
     """What one key used of one model on one day (UTC). Rows add up: a report sums them, so
     two servers writing the same (key, day, model) at once lose nothing. ``key_id`` is NULL
-    for requests made without a database key (the shared --api-key, or no key at all)."""
+    for requests made without a database key (the shared --api-key, or no key at all).
+    Counters are 64-bit: a busy key passes 2^31 tokens in a day."""
 
     __tablename__ = "usage_daily"
     __table_args__ = (Index("ix_usage_daily_key_day_model", "key_id", "day", "model"),)
@@ -41,10 +42,10 @@ class DailyUsage(Base):
     key_id: Mapped[int | None] = mapped_column(ForeignKey("api_keys.id"), default=None)
     day: Mapped[date] = mapped_column(Date)
     model: Mapped[str] = mapped_column(String(200))
-    requests: Mapped[int] = mapped_column(Integer, default=0)
-    prompt_tokens: Mapped[int] = mapped_column(Integer, default=0)
-    completion_tokens: Mapped[int] = mapped_column(Integer, default=0)
-    cached_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    requests: Mapped[int] = mapped_column(BigInteger, default=0)
+    prompt_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    completion_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    cached_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
 
 
 class RequestLog(Base):
@@ -61,8 +62,8 @@ class RequestLog(Base):
     model: Mapped[str] = mapped_column(String(200))
     endpoint: Mapped[str] = mapped_column(String(64))
     finish_reason: Mapped[str | None] = mapped_column(String(32), default=None)
-    prompt_tokens: Mapped[int] = mapped_column(Integer, default=0)
-    completion_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    prompt_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    completion_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
     latency_seconds: Mapped[float | None] = mapped_column(Float, default=None)
     prompt: Mapped[str | None] = mapped_column(Text, default=None)
     output: Mapped[str | None] = mapped_column(Text, default=None)
