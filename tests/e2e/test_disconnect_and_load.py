@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
@@ -201,3 +202,19 @@ def test_sigterm_under_load_drains_and_exits_0(tiny_path, tmp_path, to_group):
     assert server.proc.wait(30) == 0
     log = Path(server.log_path).read_text()
     assert "died" not in log and "restarted" not in log, log[-2000:]
+
+
+def test_signals_while_the_server_stops_do_not_cut_it_short(tiny_path, tmp_path):
+    """After the drain the server stops its engine and writes the last usage; signals that
+    keep coming (an impatient operator, a supervisor's repeats) are ignored: uvicorn had put
+    the default handlers back, and the process died with 143 partway."""
+    server = start_server(tiny_path, tmp_path, "--data-dir", str(tmp_path / "data"),
+                          name="signals")
+    server.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 30
+    while server.proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+        with contextlib.suppress(ProcessLookupError):
+            server.proc.send_signal(signal.SIGTERM)
+    assert server.proc.wait(30) == 0
+    assert "SIGTERM are ignored from now on" in Path(server.log_path).read_text()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import socket
 import time
 from pathlib import Path
@@ -190,7 +191,20 @@ async def _serve_on(sock: socket.socket, engine_config: EngineConfig, config: Se
     try:
         await server.serve(sockets=[sock])
     finally:
+        # uvicorn has put the default handlers back: a signal now would kill the process
+        # partway through stopping the engine and writing the last usage (exit 143).
+        _ignore_signals_from_now_on()
         app.state.tokenizers.shutdown()
         await engine.shutdown()
         await accounts.close()  # after the drain: every finished request's usage is written
     return server.exit_code
+
+
+def _ignore_signals_from_now_on() -> None:
+    """From now until the process exits, SIGINT and SIGTERM are ignored: the server is
+    stopping its processes and writing what is left (SIGKILL still ends it). SIG_IGN, not a
+    Python handler: the interpreter puts the default back on those as it finalizes."""
+    logger.info("stopping the engine and writing the last usage (SIGINT and SIGTERM are "
+                "ignored from now on)")
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
