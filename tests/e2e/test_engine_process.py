@@ -161,6 +161,11 @@ def test_a_hung_engine_is_killed_and_replaced(restartable_server):
     assert out.results[0][0] == "error" and "hang detector" in out.results[0][1]
     _wait_new_engine(server, pid)
     assert _restarts(server) == {"hang": 1.0}
+    # The dead engine's requests and blocks are not the new one's (the gauges kept them
+    # until the next step).
+    metrics = server.metrics()
+    for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
+        assert metrics[f"llmserve:{gauge}"] == 0, gauge
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
 

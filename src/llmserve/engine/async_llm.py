@@ -153,6 +153,8 @@ class AsyncLLM:
         self.max_model_len = message.max_model_len
         self.vocab_size = message.vocab_size
         self.last_stats = message.stats
+        if self.stats is not None:
+            self.stats.update_gauges(message.stats)
         self._sent = self._sent_tokens = 0
         self._engine_added = self._engine_added_tokens = 0
         self._engine_waiting = self._engine_waiting_tokens = 0
@@ -479,7 +481,9 @@ class AsyncLLM:
                 return
             except EngineStartError as e:
                 self.last_failure = str(e)
-                self.num_restarts += 1
+                self.num_restarts += 1  # counted as /metrics counts it: a failure each
+                if self.stats is not None:
+                    self.stats.on_engine_restart(_cause_kind(str(e)))
                 logger.error("%s", e)
 
 

@@ -160,8 +160,12 @@ class ServerMetrics:
         self._responses.labels(self._model, str(status)).inc()
 
     def on_engine_restart(self, cause: str) -> None:
+        """An engine died (or failed to start): what it held is gone with it."""
         self._restarts.labels(self._model, cause).inc()
         self._last = _EngineCounters()  # a new engine counts from zero
+        self.running.set(0)
+        self.waiting.set(0)
+        self.kv_usage.set(0)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
