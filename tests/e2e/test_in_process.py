@@ -48,3 +48,30 @@ def test_in_process_app_serves_requests(tiny_path):
         assert engine.health().status == "stopped"
 
     asyncio.run(go())
+
+
+def test_an_unexpected_error_is_a_500_in_the_envelope_and_counted(tiny_path, tmp_path):
+    """Starlette answers an exception nothing handled from its outermost layer, past the
+    response counter: the 500 went uncounted in http_responses_total."""
+    engine_config = EngineConfig(model=ModelConfig(tiny_path, max_model_len=512),
+                                 cache=CacheConfig(num_blocks=64))
+    app, engine, _ = create_app(engine_config, ServerConfig(data_dir=str(tmp_path)))
+
+    @app.get("/boom")
+    async def boom() -> None:
+        raise RuntimeError("a defect")
+
+    async def go() -> None:
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+            r = await c.get("/boom")
+            assert r.status_code == 500
+            assert r.json()["error"] == {"message": "internal error: RuntimeError",
+                                         "type": "server_error", "param": None, "code": None}
+            metrics = (await c.get("/metrics")).text
+        assert 'llmserve:http_responses_total{model_name="' in metrics
+        assert any(line.startswith("llmserve:http_responses_total{") and 'status="500"' in line
+                   and line.endswith(" 1.0") for line in metrics.splitlines()), metrics
+
+    asyncio.run(go())
+    asyncio.run(engine.shutdown())

@@ -229,12 +229,21 @@ class ResponseCounter:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
 
+        started = False
+
         async def counted(message: Message) -> None:
+            nonlocal started
             if message["type"] == "http.response.start":
+                started = True
                 self.metrics.on_response(message["status"])
             await send(message)
 
-        await self.app(scope, receive, counted)
+        try:
+            await self.app(scope, receive, counted)
+        except Exception:
+            if not started:  # Starlette's outermost handler answers it, outside this one
+                self.metrics.on_response(500)
+            raise
 
 
 async def send_error(send: Send, error: APIError, close: bool = False) -> None:
