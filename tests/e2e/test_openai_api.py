@@ -80,6 +80,36 @@ def test_models_tokenize_detokenize(tiny_server, smol_tokenizer):
     r = httpx.post(f"{tiny_server.url}/detokenize", json={"tokens": r.json()["tokens"]},
                    headers=headers)
     assert r.json()["prompt"] == "Hello world"
+    # Special tokens round-trip, as in vLLM.
+    ids = httpx.post(f"{tiny_server.url}/tokenize", json={"prompt": "<|im_start|>user"},
+                     headers=headers).json()["tokens"]
+    r = httpx.post(f"{tiny_server.url}/detokenize", json={"tokens": ids}, headers=headers)
+    assert r.json()["prompt"] == "<|im_start|>user"
+
+
+def test_tokenize_counts_the_prompt_chat_bills(tiny_server):
+    """Tools and a tool-call history are rendered as chat completions render them."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    tools = [{"type": "function", "function": {
+        "name": "get_weather", "description": "The weather of a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+    messages = [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": None, "tool_calls": [{
+            "id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "content": "12 C", "tool_call_id": "call_1"}]
+    for body in ({"messages": messages}, {"messages": messages[:1], "tools": tools},
+                 {"messages": messages, "tools": tools}):
+        counted = httpx.post(f"{tiny_server.url}/tokenize", json=body, headers=headers).json()
+        chat = httpx.post(f"{tiny_server.v1}/chat/completions", headers=headers, json={
+            "model": tiny_server.model, "max_tokens": 1, **body}).json()
+        assert counted["count"] == chat["usage"]["prompt_tokens"], body
+    r = httpx.post(f"{tiny_server.url}/tokenize", json={"prompt": "x", "tools": tools},
+                   headers=headers)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
 
 
 def test_long_texts_are_tokenized_alike_in_the_worker(tiny_server, smol_tokenizer):

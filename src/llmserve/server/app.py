@@ -219,9 +219,14 @@ def build_app(engine: AsyncLLM, config: ServerConfig, metrics: ServerMetrics,
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> dict:
         check_model(req.model)
-        if req.messages is not None:
-            ids = await _encode_chat(engine, tokenizers, message_dicts(req.messages),
-                                     req.add_generation_prompt)
+        if req.messages is not None:  # the prompt chat completions would build and bill
+            tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
+            messages, variables = prompt_messages(message_dicts(req.messages), tools or None,
+                                                  engine.tokenizer.chat_template)
+            ids = await _encode_chat(engine, tokenizers, messages, req.add_generation_prompt,
+                                     variables)
+        elif req.tools is not None:
+            raise bad_request("tools go with 'messages'", param="tools")
         elif req.prompt is not None:
             ids = await _encode(engine, tokenizers, req.prompt, req.add_special_tokens)
         else:
@@ -236,7 +241,8 @@ def build_app(engine: AsyncLLM, config: ServerConfig, metrics: ServerMetrics,
         if bad:
             raise bad_request(f"token id {bad[0]} is outside the vocabulary [0, {vocab})",
                               param="tokens")
-        return {"prompt": engine.tokenizer.decode(req.tokens)}
+        # Special tokens kept, as vLLM keeps them: /tokenize of the text gives the ids back.
+        return {"prompt": engine.tokenizer.decode(req.tokens, skip_special_tokens=False)}
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request) -> Response:

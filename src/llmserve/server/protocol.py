@@ -478,6 +478,9 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: Text | None = None
     messages: list[ChatMessage] | None = None
+    # With messages: the tools a chat request would send, rendered into the prompt as chat
+    # completions render them (the count is then what chat bills).
+    tools: list[Tool] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
