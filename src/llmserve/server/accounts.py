@@ -204,13 +204,15 @@ class Gatekeeper:
                 429, f"rate limit reached for key '{key.name}': {decision.reason}; try again "
                      f"in {wait} s", type="rate_limit_error", code="rate_limit_exceeded",
                 headers={"Retry-After": str(wait), **decision.headers}))
-        extra = [(k.encode(), v.encode()) for k, v in decision.headers.items()]
-
         async def send_with_limits(message: Message) -> None:
             if message["type"] == "http.response.start":
-                # Headers the endpoint set itself (a 429 from the token reservation) are
-                # newer than the admission's: keep those.
+                # The buckets as they stand when the response starts: with this request's
+                # reservation (settled, when it ran to the end) and those of the others in
+                # flight. Headers the endpoint set itself (a 429 from the token
+                # reservation) are kept.
+                limits = accounts.limiter.headers(key.id, key.limits, time.monotonic())
                 own = {name.lower() for name, _ in message.get("headers", [])}
+                extra = [(k.encode(), v.encode()) for k, v in limits.items()]
                 message = {**message, "headers": [*message.get("headers", []),
                                                   *(h for h in extra if h[0] not in own)]}
             await send(message)
