@@ -201,6 +201,10 @@ def test_parse_tool_calls():
             '"arguments": "{\\"zone\\": \\"UTC\\"}"}</tool_call>')
     content, calls = parse_tool_calls(text, names)
     assert content == "Let me check."
+    # The whitespace around calls between two texts separates them, as the model wrote it.
+    call = '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
+    assert parse_tool_calls(f"First:\n{call}\n{call} Second.\n", names)[0] == \
+        "First:\n\n Second."
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [
         ("get_weather", {"city": "Oslo"}), ("get_time", {"zone": "UTC"})]
     assert len({c.id for c in calls}) == 2 and calls[0].id.startswith("call_")
@@ -232,6 +236,10 @@ STREAMED_TEXTS = [
      '"arguments": {}}</tool_call>\n  '),
     "  no call at all,\n  just text \n\n",
     'A <tool_call>{"name": "nope"}</tool_call> \n B \n',
+    # Text on both sides of calls: the whitespace around them still separates the texts.
+    ('Let me check. <tool_call>{"name": "get_weather", "arguments": {"city": "A"}}'
+     '</tool_call>\n\n<tool_call>{"name": "get_weather", "arguments": {}}</tool_call> '
+     "Then I will sum up.\n"),
 ]
 
 

@@ -413,22 +413,18 @@ def test_token_limit_reserves_the_most_a_request_can_use_and_gives_back_the_rest
     limiter.give_back(7, 1000, 0.0)  # never above the limit
     assert limiter.reserve(7, limits, 60, 0.0).allowed
     assert not limiter.reserve(7, limits, 1, 0.0).allowed
-    # Empty, but only the request's size says how long it must wait: admitted, then its
-    # reservation refused with that wait (a refusal on arrival could only guess it).
-    assert limiter.admit(7, limits, 0.0).allowed
-    assert limiter.reserve(7, limits, 12, 0.0).retry_after == pytest.approx(12.0)
-    assert limiter.reserve(7, limits, 12, 12.0).allowed
-    assert limiter.headers(7, limits, 12.0)["x-ratelimit-remaining-tokens"] == "0"
+    assert not limiter.admit(7, limits, 0.0).allowed  # empty: refused before the body
+    assert limiter.admit(7, limits, 1.0).allowed
+    assert limiter.headers(7, 1.0)["x-ratelimit-remaining-tokens"] == "1"
 
 
-def test_a_request_refused_its_tokens_gives_its_request_back():
-    limiter, limits = RateLimiter(), Limits(requests_per_minute=2, tokens_per_minute=60)
-    assert limiter.admit(1, limits, 0.0).allowed
-    assert not limiter.reserve(1, limits, 100, 0.0).allowed  # never fits
-    assert limiter.admit(1, limits, 0.0).allowed
-    assert limiter.reserve(1, limits, 50, 0.0).allowed
-    assert limiter.admit(1, limits, 0.0).allowed  # the refused one did not count
-    assert not limiter.admit(1, limits, 0.0).allowed
+def test_rate_limit_headers_read_the_buckets_without_changing_them():
+    limiter, limits = RateLimiter(), Limits(tokens_per_minute=60)
+    assert limiter.headers(3, 0.0) == {}  # a key not seen yet
+    assert limiter.admit(3, limits, 0.0).allowed
+    assert limiter.reserve(3, limits, 50, 0.0).allowed
+    assert limiter.headers(3, 0.0)["x-ratelimit-remaining-tokens"] == "10"
+    assert not limiter.reserve(3, limits, 20, 0.0).allowed  # the 50 still reserved
 
 
 def test_changed_limits_take_effect():

@@ -210,7 +210,7 @@ class Gatekeeper:
                 # reservation (settled, when it ran to the end) and those of the others in
                 # flight. Headers the endpoint set itself (a 429 from the token
                 # reservation) are kept.
-                limits = accounts.limiter.headers(key.id, key.limits, time.monotonic())
+                limits = accounts.limiter.headers(key.id, time.monotonic())
                 own = {name.lower() for name, _ in message.get("headers", [])}
                 extra = [(k.encode(), v.encode()) for k, v in limits.items()]
                 message = {**message, "headers": [*message.get("headers", []),

@@ -158,11 +158,11 @@ class ToolCallStream:
     comes out as one tool call (name and arguments together: OpenAI's clients join the
     argument fragments, and one fragment is a valid stream).
 
-    Whitespace around a call is not content: a run of whitespace is held until text
-    follows it (then it goes out), a call follows it, or the output ends with calls made
-    (then it is dropped); after a call, whitespace up to the next text is dropped. The
-    result depends on the text alone, not on how it was cut: ``parse_tool_calls`` is this
-    stream fed the whole text at once.
+    Whitespace around calls is content only between texts: a run of whitespace is held
+    until text follows it (then it goes out) or a call does; the whitespace around calls
+    goes out when text follows them and text went out before them, and is dropped at the
+    start and the end of the output. The result depends on the text alone, not on how it
+    was cut: ``parse_tool_calls`` is this stream fed the whole text at once.
     """
 
     def __init__(self, names: set[str]) -> None:
@@ -170,7 +170,9 @@ class ToolCallStream:
         self.buffer = ""
         self.calls: list[ToolCall] = []
         self._held = ""  # whitespace that went out only if text follows it
-        self._after_call = False  # dropping whitespace up to the next text
+        self._gap = ""  # the whitespace around the calls since the last text
+        self._after_call = False  # since the last call: no text yet
+        self._sent_text = False  # some text went out
 
     def feed(self, text: str, final: bool = False) -> tuple[str, list[ToolCall]]:
         """Content to send now and calls completed by ``text``; ``final`` flushes."""
@@ -196,6 +198,7 @@ class ToolCallStream:
             else:
                 calls.append(call)
                 self.calls.append(call)
+                self._gap += self._held
                 self._held, self._after_call = "", True
             self.buffer = self.buffer[stop:]
         if final and not self.calls:
@@ -206,15 +209,19 @@ class ToolCallStream:
     def _text(self, text: str) -> str:
         """What of ``text`` (outside the calls) goes out now."""
         if self._after_call:
-            text = text.lstrip()
-            if not text:
+            stripped = text.lstrip()
+            self._gap += text[:len(text) - len(stripped)]
+            if not stripped:
                 return ""
-            self._after_call = False
+            # text again: between two texts the calls' whitespace separates them
+            text = (self._gap if self._sent_text else "") + stripped
+            self._gap, self._after_call = "", False
         body = text.rstrip()
         if not body:
             self._held += text
             return ""
         out, self._held = self._held + body, text[len(body):]
+        self._sent_text = True
         return out
 
 

@@ -3,12 +3,13 @@
 A request takes one from the request bucket when it arrives (before its body is read).
 Tokens are counted as OpenAI counts them: once the request is parsed and tokenized, the
 most it can use (prompt + max_tokens, for each choice) is reserved from the token bucket,
-and a request that does not fit waits (429 with the seconds until it fits: known only once
-its size is, so an empty token bucket does not refuse a request on arrival; a refused
-request gives its request back); when it ends, what it did not use is given back. So
-concurrent requests cannot together overrun the budget, and a bucket never goes below
-zero. The buckets are per process: each server (or replica) enforces a key's limits on
-its own.
+and a request that does not fit waits (429 with the seconds until it fits); when it ends,
+what it did not use is given back. So concurrent requests cannot together overrun the
+budget, and a bucket never goes below zero. A key whose token bucket is empty is refused
+on arrival, before its body is read (cheaply: a client over its budget cannot make the
+server read and tokenize request after request); that wait is the time until one token,
+a lower bound, as the request's size is not known yet. The buckets are per process: each
+server (or replica) enforces a key's limits on its own.
 """
 
 from __future__ import annotations
@@ -86,8 +87,13 @@ class RateLimiter:
         return entry[1], entry[2]
 
     def admit(self, key_id: int, limits: Limits, now: float) -> Decision:
-        """Take a request from the key's request bucket, or refuse it with the wait."""
+        """Take a request from the key's request bucket, or refuse it with the wait (also
+        while its token bucket is empty: the wait until it holds one token)."""
         requests, tokens = self._get(key_id, limits, now)
+        if tokens is not None and tokens.seconds_until(1.0, now) > 0:
+            wait = tokens.seconds_until(1.0, now)
+            return Decision(False, wait, self._headers(requests, tokens, now),
+                            f"the key used its {limits.tokens_per_minute} tokens per minute")
         if requests is not None and not requests.take(1.0, now):
             wait = requests.seconds_until(1.0, now)
             return Decision(False, wait, self._headers(requests, tokens, now),
@@ -101,8 +107,6 @@ class RateLimiter:
         requests, tokens = self._get(key_id, limits, now)
         if tokens is None or tokens.take(float(num_tokens), now):
             return Decision(True, 0.0, self._headers(requests, tokens, now))
-        if requests is not None:  # refused: the request it took on arrival is not spent
-            requests.give_back(1.0, now)
         limit = limits.tokens_per_minute
         if num_tokens > tokens.capacity:
             return Decision(False, math.inf, self._headers(requests, tokens, now),
@@ -120,11 +124,12 @@ class RateLimiter:
         if entry is not None and entry[2] is not None and num_tokens > 0:
             entry[2].give_back(float(num_tokens), now)
 
-    def headers(self, key_id: int, limits: Limits, now: float) -> dict[str, str]:
+    def headers(self, key_id: int, now: float) -> dict[str, str]:
         """OpenAI's x-ratelimit-* headers as the key's buckets stand now (with what the
-        requests in flight reserved)."""
-        requests, tokens = self._get(key_id, limits, now)
-        return self._headers(requests, tokens, now)
+        requests in flight reserved). Read only: limits changed meanwhile are the next
+        request's to apply (rebuilding the buckets here would forget the reservations)."""
+        entry = self._buckets.get(key_id)
+        return {} if entry is None else self._headers(entry[1], entry[2], now)
 
     @staticmethod
     def _headers(requests: TokenBucket | None, tokens: TokenBucket | None,
