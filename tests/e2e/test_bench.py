@@ -123,3 +123,21 @@ def test_a_warm_cache_is_warned_about(tiny_server, tmp_path):
                   "--output-len", "2", "--output", str(tmp_path / "w.json"), "--no-progress")
     assert proc.returncode == 0, proc.stderr
     assert "prefix-cache hits before this run" in proc.stderr
+
+
+def test_a_run_where_nothing_completes_says_why_and_fails(tiny_server, tmp_path):
+    proc = _bench("serve", "--base-url", tiny_server.url, "--api-key", API_KEY,
+                  "--model", "nosuch", "--num-prompts", "2", "--concurrency", "2",
+                  "--input-len", "8", "--output-len", "4", "--output",
+                  str(tmp_path / "r.json"), "--no-progress", "--warmup", "0")
+    assert proc.returncode == 1, proc.stdout
+    assert "4xx:" in proc.stdout and "nosuch" in proc.stdout  # the server's own message
+    assert "no request completed" in proc.stderr and "Traceback" not in proc.stderr
+    from tests.e2e.conftest import free_port
+
+    down = f"http://127.0.0.1:{free_port()}"
+    proc = _bench("serve", "--base-url", down, "--model", "m", "--num-prompts", "1",
+                  "--concurrency", "1", "--reset-prefix-cache", "--output",
+                  str(tmp_path / "d.json"), "--no-progress", "--warmup", "0")
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
+    assert "--reset-prefix-cache: cannot reach" in proc.stderr, proc.stderr

@@ -54,7 +54,7 @@ def test_percentile_matches_numpy_linear():
 
 def _result(ttft, e2e, n, ok=True):
     return RequestResult(ok, 10, n, 0.0, ttft, e2e, [0.01] * (n - 1), n, 10,
-                         None if ok else "429")
+                         None if ok else "429", None if ok else "queue full", ok)
 
 
 def test_goodput_falls_as_slos_tighten():
@@ -77,3 +77,20 @@ def test_token_chunk_detection():
     assert not _has_token({"choices": [{"delta": {"role": "assistant", "content": ""}}]})
     assert _has_token({"choices": [{"delta": {"content": "x"}, "finish_reason": None}]})
     assert not _has_token({"choices": [], "usage": {"completion_tokens": 3}})
+    # Reasoning and tool calls are generated tokens too (vLLM's benchmark times them).
+    for delta in ({"reasoning_content": "hmm"}, {"reasoning": "hmm"},
+                  {"role": "assistant", "tool_calls": [{"index": 0, "function": {}}]}):
+        assert _has_token({"choices": [{"delta": delta, "finish_reason": None}]}), delta
+
+
+def test_errors_are_explained_and_chunk_counts_flagged():
+    from llmserve.bench.report import summary_table
+
+    results = [_result(0.1, 1.0, 11), _result(None, None, 0, ok=False)]
+    results[0].tokens_from_usage = False  # no usage came back: 11 chunks
+    s = summarize(results, 10.0, {})
+    assert s["error_details"] == {"429": "queue full"} and s["tokens_from_chunks"] == 1
+    table = summary_table({"summary": s, "target": {"base_url": "http://x/v1"},
+                           "arrivals_label": "c=1", "workload": "w"})
+    assert "  429: queue full" in table
+    assert "1 of 1 completed requests sent no usage" in table

@@ -174,6 +174,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     out = Path(args.output or f"bench-{time.strftime('%Y%m%d-%H%M%S')}.json")
     out.write_text(json.dumps(result, indent=1))
     print(f"results: {out}")
+    if result["summary"]["completed"] == 0:
+        print("llmserve bench: error: no request completed (see the errors above)",
+              file=sys.stderr)
+        return 1
     return 0
 
 

@@ -24,6 +24,7 @@ class RequestResult:
     prompt_tokens: int | None = None  # from usage
     error: str | None = None  # "429", "5xx", "4xx", "timeout", "connection", "stream"
     detail: str | None = None
+    tokens_from_usage: bool = False  # False: output_tokens counts chunks (a lower bound)
 
     @property
     def tpot(self) -> float | None:
@@ -82,9 +83,10 @@ async def send(client: httpx.AsyncClient, target: Target, req: BenchRequest,
                     result.error, result.detail = "stream", str(payload["error"])[:300]
                     return result
                 usage = payload.get("usage")
-                if usage:
-                    result.output_tokens = usage.get("completion_tokens", 0)
+                if usage and usage.get("completion_tokens") is not None:
+                    result.output_tokens = usage["completion_tokens"]
                     result.prompt_tokens = usage.get("prompt_tokens")
+                    result.tokens_from_usage = True
                 if _has_token(payload):
                     now = time.perf_counter()
                     if last is None:
@@ -100,7 +102,7 @@ async def send(client: httpx.AsyncClient, target: Target, req: BenchRequest,
         result.error, result.detail = "connection", f"{type(e).__name__}: {e}"[:300]
         return result
     result.e2e = time.perf_counter() - start
-    if not result.output_tokens:
+    if not result.tokens_from_usage:  # a chunk holds one token or more
         result.output_tokens = chunks
     result.ok = result.ttft is not None
     if not result.ok:
@@ -109,13 +111,21 @@ async def send(client: httpx.AsyncClient, target: Target, req: BenchRequest,
     return result
 
 
+# What a chat delta's tokens may come as besides content (vLLM's reasoning parsers and
+# tool calls): a chunk with any of them carries tokens, as vLLM's benchmark counts it.
+_GENERATED = ("reasoning_content", "reasoning", "tool_calls", "function_call")
+
+
 def _has_token(payload: dict) -> bool:
-    """A chunk carries a token if it has text, or is a mid-stream chunk whose text is held
-    back (empty, no finish_reason). A final chunk with only a finish_reason, the role-only
-    opening chunk of chat and the usage chunk carry none."""
+    """A chunk carries a token if it has text (content, reasoning or a tool call), or is a
+    mid-stream chunk whose text is held back (empty, no finish_reason). A final chunk with
+    only a finish_reason, the role-only opening chunk of chat and the usage chunk carry
+    none."""
     for choice in payload.get("choices") or []:
         delta = choice.get("delta")
         if delta is not None:
+            if any(delta.get(name) for name in _GENERATED):
+                return True
             if delta.get("role") and not delta.get("content"):
                 continue
             text = delta.get("content")
@@ -166,14 +176,18 @@ def reset_prefix_cache(target: Target, wait: float = 60.0) -> str:
     """POST /reset_prefix_cache, waiting while the server still runs requests (409).
     Returns "reset", or "not offered" when the server has no such endpoint."""
     deadline = time.monotonic() + wait
+    url = f"{_root(target)}/reset_prefix_cache"
     while True:
-        r = httpx.post(f"{_root(target)}/reset_prefix_cache", headers=_headers(target),
-                       timeout=30)
+        try:
+            r = httpx.post(url, headers=_headers(target), timeout=30)
+        except httpx.HTTPError as e:
+            raise ValueError(f"--reset-prefix-cache: cannot reach {url} "
+                             f"({type(e).__name__}: {e})") from None
         if r.status_code == 200:
             return "reset"
         if r.status_code in (404, 405):
             return "not offered"
         if r.status_code != 409 or time.monotonic() > deadline:
-            raise RuntimeError(f"POST /reset_prefix_cache answered {r.status_code}: "
-                               f"{r.text[:200]}")
+            raise ValueError(f"--reset-prefix-cache: POST {url} answered {r.status_code}: "
+                             f"{r.text[:200]}")
         time.sleep(0.5)

@@ -47,6 +47,11 @@ def summarize(results: list[RequestResult], duration: float,
         "requests": len(results),
         "completed": len(ok),
         "errors": dict(Counter(r.error for r in results if not r.ok)),
+        # what the server said, once per kind of error
+        "error_details": {r.error: r.detail for r in reversed(results)
+                          if not r.ok and r.error is not None},
+        # completed requests whose output tokens are chunks: no usage came back
+        "tokens_from_chunks": sum(not r.tokens_from_usage for r in ok),
         "prompt_tokens": prompt_tokens,
         "output_tokens": out_tokens,
         "request_throughput": len(ok) / duration if duration else 0.0,

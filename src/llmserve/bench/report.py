@@ -21,6 +21,12 @@ def summary_table(result: dict[str, Any]) -> str:
         f"output token throughput:{s['output_throughput']:>9.1f} tok/s",
         f"total token throughput: {s['total_token_throughput']:.1f} tok/s",
     ]
+    for kind, detail in (s.get("error_details") or {}).items():
+        lines.append(f"  {kind}: {detail or '(no detail)'}")
+    if s.get("tokens_from_chunks"):
+        lines.append(f"note: {s['tokens_from_chunks']} of {s['completed']} completed requests "
+                     "sent no usage: their output tokens are stream chunks (a chunk may hold "
+                     "several), so token throughputs are lower bounds and TPOT upper bounds")
     if s["slo"]:
         slo = ", ".join(f"{k}<={v * 1000:g}ms" for k, v in s["slo"].items())
         lines.append(f"goodput ({slo}): {s['goodput']:.2f} req/s "
