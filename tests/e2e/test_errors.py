@@ -541,3 +541,30 @@ def test_reset_prefix_cache_is_refused_while_requests_run(tight_server):
     err = _envelope(r, 409, code="requests_running")
     assert "running" in err["message"] and r.headers["Retry-After"]
     t.join(30)
+
+
+def test_what_python_s_json_cannot_take_is_no_500(tiny_server):
+    """A history call's arguments nested past Python's recursion limit, with an integer of
+    more than 4300 digits, or with an escaped lone surrogate are kept as the text sent (they
+    gave 500s, in chat and /tokenize); a body nested that deep is a 400."""
+    for args in ("[" * 1000 + "]" * 1000, '{"a": 1' + "0" * 4400 + "}", '{"\\ud83d": 1}'):
+        messages = [{"role": "user", "content": "hi"},
+                    {"role": "assistant", "content": None, "tool_calls": [{
+                        "id": "c", "type": "function",
+                        "function": {"name": "f", "arguments": args}}]},
+                    {"role": "tool", "content": "ok", "tool_call_id": "c"}]
+        r = httpx.post(f"{tiny_server.url}/tokenize", headers=AUTH, timeout=30,
+                       json={"messages": messages})
+        assert r.status_code == 200, (args[:20], r.text)
+        if r.json()["count"] < 1000:  # (the deep one is longer than this server's context)
+            r = httpx.post(f"{tiny_server.v1}/chat/completions", headers=AUTH, timeout=30,
+                           json={"model": tiny_server.model, "messages": messages,
+                                 "max_tokens": 1})
+            assert r.status_code == 200, (args[:20], r.text)
+    deep = "[" * 3000 + "]" * 3000
+    body = ('{"model": "m", "messages": [{"role": "user", "content": "hi"}], '
+            f'"metadata": {{"a": {deep}}}}}')
+    r = httpx.post(f"{tiny_server.v1}/chat/completions", timeout=30, content=body,
+                   headers={**AUTH, "content-type": "application/json"})
+    err = _envelope(r, 400, code="invalid_json")
+    assert "nested too deeply" in err["message"]

@@ -219,6 +219,17 @@ def test_parse_tool_calls():
         assert parse_tool_calls(text, names) == (text, [])
     _, calls = parse_tool_calls('<tool_call>{"name": "get_time", "parameters": {}}', names)
     assert [(c.name, c.arguments) for c in calls] == [("get_time", "{}")]
+    # What Python's JSON cannot take (depth, digits) is text; an escaped lone surrogate
+    # stays escaped (written raw, the response could not be encoded).
+    deep = "[" * 5000 + "]" * 5000
+    for body in (deep, '{"name": "get_time", "arguments": ' + deep + "}",
+                 '{"name": "get_time", "arguments": {"a": 1' + "0" * 5000 + "}}"):
+        text = f"<tool_call>{body}</tool_call>"
+        assert parse_tool_calls(text, names) == (text, [])
+    _, calls = parse_tool_calls('<tool_call>{"name": "get_time", "arguments": {"z": "\\ud800"}}',
+                                names)
+    assert calls[0].arguments == '{"z": "\\ud800"}'
+    calls[0].arguments.encode("utf-8")
     # Cut off after the JSON (no end tag): still a call.
     _, calls = parse_tool_calls('<tool_call>{"name": "get_time", "arguments": {}}', names)
     assert [c.name for c in calls] == ["get_time"]

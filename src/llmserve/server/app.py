@@ -402,6 +402,8 @@ def _json_error_message(body: bytes) -> str:
         return f"invalid JSON at line {e.lineno} column {e.colno}: {e.msg}"
     except (UnicodeDecodeError, ValueError) as e:
         return f"invalid JSON: {e}"
+    except RecursionError:
+        return "invalid JSON: nested too deeply (arrays and objects within each other)"
     return "invalid JSON"
 
 

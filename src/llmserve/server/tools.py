@@ -96,9 +96,12 @@ def _arguments(function: dict[str, Any]) -> Any:
     args = function.get("arguments")
     if isinstance(args, str):
         try:
-            return json.loads(args)
-        except json.JSONDecodeError:
+            parsed = json.loads(args)
+            # an escaped lone surrogate parses, then cannot be written out as text
+            json.dumps(parsed, ensure_ascii=False).encode("utf-8")
+        except (ValueError, RecursionError):  # not JSON, past Python's limits, surrogates
             return args
+        return parsed
     return args if args is not None else {}
 
 
@@ -134,7 +137,7 @@ def _parse_one(body: str, names: set[str]) -> ToolCall | None:
     is no call (as vLLM's Hermes parser has it: a call without arguments is text)."""
     try:
         obj = json.loads(body)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):  # not JSON, or past Python's limits (depth, digits)
         return None
     if not isinstance(obj, dict) or obj.get("name") not in names:
         return None
@@ -142,12 +145,17 @@ def _parse_one(body: str, names: set[str]) -> ToolCall | None:
     if isinstance(args, str):
         try:
             parsed = json.loads(args)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):
             return None
         return ToolCall(obj["name"], args) if isinstance(parsed, dict) else None
     if not isinstance(args, dict):
         return None
-    return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
+    text = json.dumps(args, ensure_ascii=False)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # the model escaped a lone surrogate: keep it escaped
+        text = json.dumps(args)
+    return ToolCall(obj["name"], text)
 
 
 class ToolCallStream:
