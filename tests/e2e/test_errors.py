@@ -268,6 +268,13 @@ def _tool(**function) -> dict:
             "name": "f", "arguments": {"a": "\ud800"}}}]}]},
      "messages.1.tool_calls.0.function.arguments.a", "lone surrogate"),
     # as OpenAI and vLLM refuse them
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": None}]}, "messages.0",
+     "content: a 'user' message needs content (a string or a list of text parts), got null"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": []}]}, "messages.0",
+     "got an empty list"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f"}}]}]}, "messages.0",
+     "tool_calls: only an assistant message has them"),
     ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}},
      "stream_options", "stream_options can only be set when stream is true"),
     ("/v1/chat/completions", {**_chat("hi"), "logprobs": True, "top_logprobs": 21},
@@ -568,3 +575,24 @@ def test_what_python_s_json_cannot_take_is_no_500(tiny_server):
                    headers={**AUTH, "content-type": "application/json"})
     err = _envelope(r, 400, code="invalid_json")
     assert "nested too deeply" in err["message"]
+
+
+def test_text_parts_are_joined_by_newlines_and_an_assistant_may_refuse(tiny_server):
+    """As vLLM: several text parts are one text, joined by newlines; OpenAI's assistant
+    messages may hold a refusal part (it was refused as not text)."""
+    def count(messages) -> int:
+        r = httpx.post(f"{tiny_server.url}/tokenize", headers=AUTH, json={"messages": messages})
+        assert r.status_code == 200, r.text
+        return r.json()["count"]
+
+    parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}]
+    assert count([{"role": "user", "content": parts}]) == count(
+        [{"role": "user", "content": "Hello\nworld"}])
+    refused = [{"role": "user", "content": "hi"},
+               {"role": "assistant", "content": [{"type": "refusal", "refusal": "I cannot"}]},
+               {"role": "user", "content": "why?"}]
+    assert count(refused) == count([*refused[:1], {"role": "assistant", "content": "I cannot"},
+                                    refused[2]])
+    r = httpx.post(f"{tiny_server.v1}/chat/completions", headers=AUTH, timeout=30,
+                   json={"model": tiny_server.model, "messages": refused, "max_tokens": 1})
+    assert r.status_code == 200, r.text

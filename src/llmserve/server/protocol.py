@@ -287,20 +287,24 @@ class CompletionRequest(_SamplingFields):
 
 def _valid_content(content: str | list[dict[str, Any]] | None
                    ) -> str | list[dict[str, Any]] | None:
-    """A string, or content parts of type "text" only, each with a string."""
+    """A string, or content parts of type "text" (or an assistant's "refusal": OpenAI's
+    assistant messages may carry one), each with a string."""
     if content is None or isinstance(content, str):
         return content if content is None else _valid_text(content)
     for i, part in enumerate(content):
         kind = part.get("type")
-        if kind != "text":
+        if kind not in _TEXT_PARTS:
             raise ValueError(f"content part {i} has type {kind!r}: this model accepts text "
-                             "only (parts of type 'text')")
-        text = part.get("text")
+                             "only (parts of type 'text', and an assistant's 'refusal')")
+        text = part.get(kind)
         if not isinstance(text, str):
-            raise ValueError(f"content part {i}: 'text' must be a string, got "
+            raise ValueError(f"content part {i}: {kind!r} must be a string, got "
                              f"{type(text).__name__ if text is not None else 'null'}")
         _valid_text(text)
     return content
+
+
+_TEXT_PARTS = ("text", "refusal")  # a part's type, and the key of its text
 
 
 class FunctionCall(_Strict):
@@ -323,10 +327,27 @@ class ChatMessage(_Strict):
     function_call: FunctionCall | None = None  # legacy: an assistant's one call
     refusal: str | None = None  # no effect: an assistant's earlier refusal text
 
+    @model_validator(mode="after")
+    def _check_role(self) -> ChatMessage:
+        if self.role == "assistant":
+            return self
+        if self.content is None or self.content == []:
+            got = "null" if self.content is None else "an empty list"
+            raise ValueError(f"content: a {self.role!r} message needs content (a string or a "
+                             f"list of text parts), got {got}")
+        if self.tool_calls is not None or self.function_call is not None:
+            raise ValueError(f"tool_calls: only an assistant message has them, not a "
+                             f"{self.role!r} one")
+        if any(isinstance(p, dict) and p.get("type") == "refusal" for p in self.content):
+            raise ValueError(f"content: a 'refusal' part is an assistant's, not a "
+                             f"{self.role!r} message's")
+        return self
+
     def text(self) -> str:
-        """The message's text: a string, its text parts joined, or empty."""
+        """The message's text: a string, its parts' texts joined by newlines (as vLLM joins
+        them), or empty."""
         if isinstance(self.content, list):
-            return "".join(p["text"] for p in self.content)
+            return "\n".join(p[p["type"]] for p in self.content)
         return self.content or ""
 
 
