@@ -110,6 +110,13 @@ def test_tokenize_counts_the_prompt_chat_bills(tiny_server):
     r = httpx.post(f"{tiny_server.url}/tokenize", json={"prompt": "x", "tools": tools},
                    headers=headers)
     assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+    # What chat refuses is refused here too (it was ignored, and the count was another's).
+    r = httpx.post(f"{tiny_server.url}/tokenize", headers=headers, json={
+        "messages": messages[:1], "chat_template": "{{ messages[0].content }}"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "unknown_parameter"
+    r = httpx.post(f"{tiny_server.url}/tokenize", headers=headers,
+                   json={"prompt": "Hello world", "return_token_strs": True}).json()
+    assert "".join(r["token_strs"]) == "Hello world" and len(r["token_strs"]) == r["count"]
 
 
 def test_long_texts_are_tokenized_alike_in_the_worker(tiny_server, smol_tokenizer):

@@ -231,7 +231,10 @@ def build_app(engine: AsyncLLM, config: ServerConfig, metrics: ServerMetrics,
             ids = await _encode(engine, tokenizers, req.prompt, req.add_special_tokens)
         else:
             raise bad_request("send 'prompt' or 'messages'", param="prompt")
-        return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
+        out = {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
+        if req.return_token_strs:
+            out["token_strs"] = [engine.tokenizer.token_text(t) for t in ids]
+        return out
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest) -> dict:

@@ -492,8 +492,10 @@ class ChatCompletionRequest(_SamplingFields):
                               prompt_logprobs=self.prompt_logprobs, **self._sampling_kwargs())
 
 
-class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class TokenizeRequest(_Strict):
+    """vLLM's /tokenize: what chat would refuse (a template of the client's own...) is
+    refused here too, not ignored, so that the count is always the one chat bills."""
+
     _valid_unicode = model_validator(mode="before")(_no_lone_surrogates)
 
     model: str | None = None
@@ -504,11 +506,10 @@ class TokenizeRequest(BaseModel):
     tools: list[Tool] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    return_token_strs: bool = False  # vLLM's: each token's text too
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class DetokenizeRequest(_Strict):
     model: str | None = None
     tokens: list[int]
 
