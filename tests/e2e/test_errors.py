@@ -54,7 +54,21 @@ def test_context_length_exceeded_is_400_never_truncated(tiny_server):
     r = httpx.post(f"{tiny_server.v1}/chat/completions", headers=AUTH,
                    json={"model": tiny_server.model, "max_tokens": 2000,
                          "messages": [{"role": "user", "content": "hi"}]})
-    _envelope(r, 400, code="context_length_exceeded")
+    _envelope(r, 400, param="max_tokens", code="context_length_exceeded")
+    # The field the client sent is the one named; a prompt too long by itself is the
+    # prompt's (or the messages') fault, whatever max_tokens says.
+    r = httpx.post(f"{tiny_server.v1}/chat/completions", headers=AUTH,
+                   json={"model": tiny_server.model, "max_completion_tokens": 2000,
+                         "messages": [{"role": "user", "content": "hi"}]})
+    err = _envelope(r, 400, param="max_completion_tokens", code="context_length_exceeded")
+    assert "max_completion_tokens (2000)" in err["message"]
+    r = httpx.post(f"{tiny_server.v1}/chat/completions", headers=AUTH,
+                   json={"model": tiny_server.model, "max_tokens": 1,
+                         "messages": [{"role": "user", "content": "hi " * 1100}]})
+    _envelope(r, 400, param="messages", code="context_length_exceeded")
+    r = httpx.post(f"{tiny_server.v1}/completions", headers=AUTH,
+                   json={"model": tiny_server.model, "prompt": [5] * 1100, "max_tokens": 1})
+    _envelope(r, 400, param="prompt", code="context_length_exceeded")
 
 
 def test_missing_or_wrong_api_key_is_401_but_probes_stay_open(tiny_server):

@@ -16,6 +16,10 @@ from llmserve.structured_output import validate_structured
 class ContextLengthError(ValueError):
     """A prompt, or a prompt plus max_tokens, does not fit the context window."""
 
+    def __init__(self, message: str, prompt_alone: bool = False) -> None:
+        super().__init__(message)
+        self.prompt_alone = prompt_alone  # the prompt leaves no room, whatever max_tokens
+
 
 def check_request(prompt_token_ids: Sequence[int], params: SamplingParams, max_model_len: int,
                   vocab_size: int) -> int:
@@ -27,7 +31,8 @@ def check_request(prompt_token_ids: Sequence[int], params: SamplingParams, max_m
     if n > max_model_len or (n == max_model_len and params.max_tokens != 0):
         # (a prompt that fills the window may still be scored: max_tokens 0)
         raise ContextLengthError(f"the prompt has {n} tokens, the context window is "
-                                 f"{max_model_len}: no room left to generate")
+                                 f"{max_model_len}: no room left to generate",
+                                 prompt_alone=True)
     room = max_model_len - n
     max_tokens = room if params.max_tokens is None else params.max_tokens
     if max_tokens > room:

@@ -293,7 +293,9 @@ def build_app(engine: AsyncLLM, config: ServerConfig, metrics: ServerMetrics,
                   req.priority, bool(req.stream_options and req.stream_options.include_usage),
                   tool_names={t["function"]["name"] for t in tools} if mode else None,
                   legacy_functions=req.legacy_functions,
-                  prompt_logprobs=params.prompt_logprobs)
+                  prompt_logprobs=params.prompt_logprobs,
+                  max_tokens_param=("max_tokens" if req.max_completion_tokens is None
+                                    else "max_completion_tokens"))
         job.on_finish = accounting(raw, job, lambda: messages)
         return await _run(job, req.stream, raw)
 

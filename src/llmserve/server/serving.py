@@ -56,6 +56,7 @@ class Job:
     created: int = field(default_factory=lambda: int(time.time()))
     echo: bool = False  # completions: the reply's text (and logprobs) start with the prompt
     prompt_logprobs: int | None = None  # as the client asked: returned with the reply
+    max_tokens_param: str = "max_tokens"  # or max_completion_tokens: as the client sent it
     # Called once when the job ends, however it ends, with what the client is billed for.
     on_finish: Callable[[JobUsage], None] | None = None
     started: float = field(default_factory=time.monotonic)
@@ -119,16 +120,23 @@ def validate_prompts(engine: AsyncLLM, job: Job) -> int:
         try:
             max_tokens = engine.validate(ids, job.params)
         except ValueError as e:
-            raise _invalid(engine, e) from None
+            raise _invalid(engine, e, job) from None
         most += (len(ids) + max_tokens) * job.params.n
     return most
 
 
-def _invalid(engine: AsyncLLM, e: ValueError) -> APIError:
-    """The 400 for a request the engine cannot serve (OpenAI's code for a context overrun)."""
+def _invalid(engine: AsyncLLM, e: ValueError, job: Job) -> APIError:
+    """The 400 for a request the engine cannot serve (OpenAI's code for a context overrun),
+    naming the field the client sent: the prompt (or messages) when it alone is too long,
+    else the max_tokens field it used."""
     if isinstance(e, ContextLengthError):
+        if e.prompt_alone:
+            param = "prompt" if job.kind == "completion" else "messages"
+        else:
+            param = job.max_tokens_param
+        message = str(e).replace("max_tokens", job.max_tokens_param)
         return bad_request(f"This model's maximum context length is {engine.max_model_len} "
-                           f"tokens: {e}", param="max_tokens", code="context_length_exceeded")
+                           f"tokens: {message}", param=param, code="context_length_exceeded")
     return bad_request(str(e), param=param_of(str(e)))
 
 
@@ -154,7 +162,7 @@ async def _submit_all(engine: AsyncLLM, job: Job) -> list[RequestStream]:
             raise APIError(429, str(e), type="rate_limit_error", code="queue_full",
                            headers={"Retry-After": str(e.retry_after)}) from None
         if isinstance(e, ValueError):
-            raise _invalid(engine, e) from None
+            raise _invalid(engine, e, job) from None
         raise
     return streams
 
