@@ -30,6 +30,7 @@ from llmserve.server.console import mount_console
 from llmserve.server.errors import APIError, bad_request, error_body, param_of
 from llmserve.server.http_guard import HTTPGuard
 from llmserve.server.metrics import ServerMetrics
+from llmserve.server.prompts import completion_prompts, encode_chat, encode_prompt
 from llmserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -50,7 +51,6 @@ from llmserve.server.serving import (
 )
 from llmserve.server.tokenizing import TokenizerPool
 from llmserve.server.tools import prompt_messages, tool_call_grammar
-from llmserve.tokenizer.chat_template import ChatTemplateError
 from llmserve.usage import UsageEvent
 
 
@@ -223,12 +223,12 @@ def build_app(engine: AsyncLLM, config: ServerConfig, metrics: ServerMetrics,
             tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
             messages, variables = prompt_messages(message_dicts(req.messages), tools or None,
                                                   engine.tokenizer.chat_template)
-            ids = await _encode_chat(engine, tokenizers, messages, req.add_generation_prompt,
+            ids = await encode_chat(engine, tokenizers, messages, req.add_generation_prompt,
                                      variables)
         elif req.tools is not None:
             raise bad_request("tools go with 'messages'", param="tools")
         elif req.prompt is not None:
-            ids = await _encode(engine, tokenizers, req.prompt, req.add_special_tokens)
+            ids = await encode_prompt(engine, tokenizers, req.prompt, req.add_special_tokens)
         else:
             raise bad_request("send 'prompt' or 'messages'", param="prompt")
         out = {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
@@ -257,7 +257,7 @@ def build_app(engine: AsyncLLM, config: ServerConfig, metrics: ServerMetrics,
             raise bad_request("best_of must equal n (best-of sampling is not supported)",
                               param="best_of")
         params = completion_params(make_params(req.sampling_params), req.echo)
-        prompts = await _completion_prompts(engine, tokenizers, req.prompt)
+        prompts = await completion_prompts(engine, tokenizers, req.prompt)
         job = Job(engine.new_request_id("cmpl"), "completion", model_name, prompts, params,
                   req.priority, bool(req.stream_options and req.stream_options.include_usage),
                   echo=req.echo, prompt_logprobs=req.prompt_logprobs)
@@ -287,7 +287,7 @@ def build_app(engine: AsyncLLM, config: ServerConfig, metrics: ServerMetrics,
         messages, variables = prompt_messages(message_dicts(req.messages),
                                               tools if mode else None,
                                               engine.tokenizer.chat_template)
-        ids = await _encode_chat(engine, tokenizers, messages, req.add_generation_prompt,
+        ids = await encode_chat(engine, tokenizers, messages, req.add_generation_prompt,
                                  variables)
         job = Job(engine.new_request_id("chatcmpl"), "chat", model_name, [(None, ids)], params,
                   req.priority, bool(req.stream_options and req.stream_options.include_usage),
@@ -410,53 +410,6 @@ def _json_error_message(body: bytes) -> str:
     except RecursionError:
         return "invalid JSON: nested too deeply (arrays and objects within each other)"
     return "invalid JSON"
-
-
-# ---- tokenization ----------------------------------------------------------------------------
-
-
-def _check_length(engine: AsyncLLM, chars: int, param: str) -> None:
-    """Refuse, without tokenizing, a text that cannot fit the context window: no token
-    covers more than ``longest_token_chars`` characters."""
-    limit = engine.max_model_len * engine.tokenizer.longest_token_chars
-    if engine.max_model_len and chars > limit:
-        raise bad_request(
-            f"the prompt has {chars} characters; with a context window of "
-            f"{engine.max_model_len} tokens it cannot fit (at most {limit} characters: "
-            f"no token is longer than {engine.tokenizer.longest_token_chars})",
-            param=param, code="context_length_exceeded")
-
-
-async def _encode(engine: AsyncLLM, tokenizers: TokenizerPool, text: str,
-                  add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
-    _check_length(engine, len(text), param)
-    return await tokenizers.encode(text, add_special_tokens)
-
-
-async def _encode_chat(engine: AsyncLLM, tokenizers: TokenizerPool,
-                       messages: list[dict[str, Any]], add_generation_prompt: bool,
-                       variables: dict[str, Any] | None = None) -> list[int]:
-    _check_length(engine, sum(len(m.get("content") or "") for m in messages), "messages")
-    try:
-        return await tokenizers.encode_chat(messages, add_generation_prompt, variables or {})
-    except (ChatTemplateError, ValueError) as e:
-        raise bad_request(str(e), param="messages") from None
-
-
-async def _completion_prompts(engine: AsyncLLM, tokenizers: TokenizerPool,
-                              prompt) -> list[tuple[str | None, list[int]]]:
-    if isinstance(prompt, str):
-        return [(prompt, await _encode(engine, tokenizers, prompt))]
-    if not prompt:
-        raise bad_request("prompt must not be empty", param="prompt")
-    if all(isinstance(p, int) for p in prompt):
-        return [(None, list(prompt))]
-    if all(isinstance(p, str) for p in prompt):
-        return [(p, await _encode(engine, tokenizers, p)) for p in prompt]
-    if all(isinstance(p, list) for p in prompt):
-        return [(None, list(p)) for p in prompt]
-    raise bad_request("prompt must be a string, a list of strings, a list of token ids or a "
-                      "list of token-id lists", param="prompt")
 
 
 # ---- ASGI middleware (before any body is read) ---------------------------------------------
