@@ -14,9 +14,11 @@ cache in blocks of 16 tokens), for each batch size and context, microseconds a l
 - ``empty``: a Triton kernel that does nothing but wait for the one before: the cost of
   a launch in a graph, the floor of any kernel.
 
-Each with programmatic dependent launch (PDL) and without. The eager profile of a step
-(``cuda_profile.py``) gives the attention ~9 us a layer at batch 1, which may include
-its wait for the kernel before under PDL; these figures do not.
+Each with programmatic dependent launch (PDL) and without; the attention's forms also with
+the key loop's loads left to Triton's pipeliner (``triton_paged.PREFETCH`` off).
+
+The eager profile of a step (``cuda_profile.py``) gives the attention ~9 us a layer at
+batch 1, which may include its wait for the kernel before under PDL; these figures do not.
 
     python benchmarks/cuda_attention.py --out out/attention.json
 
@@ -36,6 +38,7 @@ import triton
 import triton.language as tl
 
 from llmserve import envs
+from llmserve.attention import triton_paged
 from llmserve.attention.backend import BatchLayout
 from llmserve.attention.triton_paged import SEGMENT, TritonKVCache, TritonPagedBackend
 from llmserve.layers import triton_launch
@@ -92,15 +95,22 @@ def main() -> None:
                     key = name if pdl else f"{name}_no_pdl"
                     row[key] = _time(fn, graphed, args.replays) / LAYERS
             triton_launch.PDL = envs.LLMSERVE_PDL
+            # The key loop's loads left to Triton's pipeliner (PDL on), beside the default.
+            triton_paged.PREFETCH = False
+            for name in metas:
+                row[f"{name}_no_prefetch"] = _time(forms[name], graphed, args.replays) / LAYERS
+            triton_paged.PREFETCH = True
             results["rows"].append(row)
             print(json.dumps(row), flush=True)
-    print(f"\n{results['device']}: us a layer (PDL on / off); store+attention, less the "
-          "store alone, is the attention's share")
+    print(f"\n{results['device']}: us a layer (PDL on / off; the attention's loads left to "
+          "Triton's pipeliner, PDL on); store+attention, less the store alone, is the "
+          "attention's share")
     print("| batch | context | empty launch | store | one segment | split + fold |")
     print("|---|---|---|---|---|---|")
     for r in results["rows"]:
-        cells = [f"{r[n]:.1f} / {r[n + '_no_pdl']:.1f}" if n in r else "-"
-                 for n in ("empty", "store", "one_segment", "split")]
+        cells = [f"{r[n]:.1f} / {r[n + '_no_pdl']:.1f}"
+                 + (f" ({r[n + '_no_prefetch']:.1f})" if n + "_no_prefetch" in r else "")
+                 if n in r else "-" for n in ("empty", "store", "one_segment", "split")]
         print(f"| {r['batch']} | {r['context']} | " + " | ".join(cells) + " |")
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))

@@ -53,6 +53,7 @@ VARIANTS = {
     "attn-seg256": {"attn_segment": 256},
     "attn-seg128": {"attn_segment": 128},
     "attn-seg64": {"attn_segment": 64},
+    "attn-no-prefetch": {"attn_prefetch": False},  # the key loop's loads to the pipeliner
     "attn-stages2": {"attn_stages": 2},
     "attn-stages4": {"attn_stages": 4},
     "attn-bn32": {"attn_block_n": 32},
@@ -88,6 +89,7 @@ def apply_variant(v: dict) -> None:
     triton_paged.SEGMENT = v.get("attn_segment", 512)
     triton_paged.WARPS = v.get("attn_warps", 4)
     triton_paged.STAGES = v.get("attn_stages", 3)
+    triton_paged.PREFETCH = v.get("attn_prefetch", True)
     triton_linear.GATED_MAX_ROWS = v.get("gated_max_rows", _GATED_MAX_ROWS)
     triton_paged.ROPE_STORE = v.get("rope_store", True)
 

@@ -59,12 +59,15 @@ def _cases():
                                        PDL=True), {}
     yield lin._silu_and_mul_kernel, dict(BLOCK=1024, PDL=True), {}
     yield ops._store_kv_kernel, dict(HEAD_DIM=64, HEADS=8, DIM_P=64, PDL=True), {}
-    for split, scaled, windowed in ((True, False, False), (False, False, True),
-                                    (True, True, False)):
+    for split, scaled, windowed, prefetch in ((True, False, False, True),
+                                              (False, False, False, True),
+                                              (False, False, True, True),
+                                              (True, True, False, True),
+                                              (False, False, False, False)):
         yield attn.paged_attention_kernel, dict(
             GROUP=4, GROUP_P=4, BLOCK_Q=16, HEAD_DIM=64, HEAD_P=64, BLOCK_SIZE=16, BLOCK_N=64,
             SEGMENT=512, SCALED=scaled, WINDOWED=windowed, SPLIT=split, UPCAST=False,
-            PDL=True), {"num_warps": 4}
+            PREFETCH=prefetch, PDL=True), {"num_warps": 4}
     yield attn.combine_segments_kernel, dict(HEAD_DIM=64, HEAD_P=64, SEGMENT=512,
                                              WINDOWED=False, PDL=True), {}
 
@@ -101,7 +104,13 @@ def compile_all(arch: int = 90) -> list[dict]:
         ptx = compiled.asm["ptx"]
         memory = MEMORY_OP.search(ptx)
         wait = ptx.find("griddepcontrol.wait")
+        ttgir = compiled.asm["ttgir"]
+        loop = ttgir.find("scf.for")
+        first_load = ttgir.find("tt.load", loop)
+        first_dot = ttgir.find("ttng.warp_group_dot ", loop)
         row |= {"shared": compiled.metadata.shared, "cp_async": ptx.count("cp.async."),
+                # the first loop's body loads (into registers) before its first product
+                "loop_loads_first": loop >= 0 and 0 <= first_load < first_dot,
                 "wgmma": ptx.count("wgmma.mma_async"),
                 "griddepcontrol_wait": ptx.count("griddepcontrol.wait"),
                 # the first global load, store or atomic comes after the wait

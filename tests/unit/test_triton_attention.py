@@ -255,3 +255,18 @@ def test_rotary_in_the_kv_store_gives_the_bits_of_rotating_first(monkeypatch):
     assert not torch.equal(rotated[1], batch.k[rows])
     assert torch.equal(batch.cache.read(layout.slot_mapping)[0],
                        rotated[1].float())  # the cache holds the rotated keys
+
+
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "fp8_e4m3"])
+@pytest.mark.parametrize("window", [None, 100])
+def test_the_key_loop_s_prefetch_changes_no_bit(monkeypatch, kv_dtype, window):
+    """The key loop loads the next tile before it attends the current one (``PREFETCH``);
+    left to Triton's pipeliner instead, the same arithmetic gives the same bits: prefill
+    chunks, decodes, split contexts, a window and a scaled cache."""
+    from llmserve.attention import triton_paged
+
+    outs = []
+    for prefetch in (True, False):
+        monkeypatch.setattr(triton_paged, "PREFETCH", prefetch)
+        outs.append(Batch(MIXED, 8, 2, 64, kv_dtype, torch.bfloat16, seed=9).run(window=window))
+    assert torch.equal(outs[0], outs[1])

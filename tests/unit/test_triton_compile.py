@@ -43,11 +43,16 @@ def test_every_kernel_compiles_for_sm90(compiled):
 
 
 def test_products_pipeline_their_loads_onto_the_tensor_cores(compiled):
-    """Each linear and attention configuration copies its tiles asynchronously (cp.async:
-    the loads of the next tiles overlap the products) and multiplies with wgmma."""
+    """Each linear configuration copies its tiles asynchronously (cp.async: the loads of the
+    next tiles overlap the products) and multiplies with wgmma. The attention's key loop
+    does too when its loads are left to Triton's pipeliner; with PREFETCH it loads the next
+    tile into registers before it multiplies the current one."""
     for r in compiled:
-        if r["kernel"] in ("_linear_kernel", "paged_attention_kernel"):
+        if r["kernel"] == "_linear_kernel" or (r["kernel"] == "paged_attention_kernel"
+                                               and not r["PREFETCH"]):
             assert r["cp_async"] > 0 and r["wgmma"] > 0, r
+        if r["kernel"] == "paged_attention_kernel" and r["PREFETCH"]:
+            assert r["loop_loads_first"] and r["wgmma"] > 0, r
         if r["kernel"] == "_linear_kernel":  # 32 KiB: one stage of 64 x 128 + 128 x 64 tiles
             assert r["shared"] > 32 * 1024, r
 

@@ -16,6 +16,14 @@ softmax in float32. Every row's arithmetic depends on its own position alone:
   directly (its weight is exp(0) = 1), which the kernel does when every row of a step fits
   one segment.
 
+**Loads a tile ahead** (``PREFETCH``). At batch 1 a layer's attention is a few programs
+(one per KV head) walking their keys in series, and its time is the memory latency of each
+tile: left to Triton's pipeliner, the loop waits for a tile's keys and values at the top
+of the iteration that attends it, and issues the next tile's loads only at its end (sm_90,
+Triton 3.6-3.9). With PREFETCH the loop loads tile i + 1's keys and values (and tile
+i + 2's block ids) into registers before it attends tile i, so their latency overlaps its
+products. The arithmetic is the same, and so are the bits.
+
 Both kernels wait for the kernel before them first (``wait_for_inputs``: programmatic
 dependent launch on Hopper and later, see ``layers/triton_launch.py``).
 
@@ -49,6 +57,34 @@ def _dot(a, b, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _kv_tile(block, keys, hi, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+             kv_head, dims, dim_ok, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
+             stride_vh, stride_sb, stride_ss, BLOCK_N: tl.constexpr,
+             BLOCK_SIZE: tl.constexpr, SCALED: tl.constexpr):
+    """A tile of keys' cache entries, read through their blocks (``block``: each key's, from
+    the sequence's block table): keys [HEAD_P, BLOCK_N], values [BLOCK_N, HEAD_P] and,
+    for a scaled cache, their float32 scales [BLOCK_N] (else zeros, unused). Keys at or
+    past ``hi`` read nothing and come back as zeros."""
+    key_ok = keys < hi
+    slot = keys % BLOCK_SIZE
+    k = tl.load(k_cache_ptr + block[None, :] * stride_kb + slot[None, :] * stride_ks
+                + kv_head * stride_kh + dims[:, None],
+                mask=key_ok[None, :] & dim_ok[:, None], other=0.0)
+    v = tl.load(v_cache_ptr + block[:, None] * stride_vb + slot[:, None] * stride_vs
+                + kv_head * stride_vh + dims[None, :],
+                mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
+    if SCALED:
+        k_scale = tl.load(k_scale_ptr + block * stride_sb + slot * stride_ss + kv_head,
+                          mask=key_ok, other=0.0)
+        v_scale = tl.load(v_scale_ptr + block * stride_sb + slot * stride_ss + kv_head,
+                          mask=key_ok, other=0.0)
+    else:
+        k_scale = tl.zeros([BLOCK_N], tl.float32)
+        v_scale = k_scale
+    return k, v, k_scale, v_scale
+
+
+@triton.jit
 def paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_ptr, tile_seq_ptr, tile_first_ptr,
@@ -65,7 +101,7 @@ def paged_attention_kernel(
     HEAD_DIM: tl.constexpr, HEAD_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, SEGMENT: tl.constexpr,
     SCALED: tl.constexpr, WINDOWED: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr,
-    PDL: tl.constexpr,
+    PREFETCH: tl.constexpr, PDL: tl.constexpr,
 ):
     """Grid: (query tiles, KV heads, segments). ``tile_seq``/``tile_first``: each tile's
     sequence and first token (a row of the flat batch); ``seq_lens``: each sequence's
@@ -113,19 +149,40 @@ def paged_attention_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_P], tl.float32)
     offsets = tl.arange(0, BLOCK_N)
+    tables = block_tables_ptr + seq * stride_bt
+    if PREFETCH:
+        # The loop's loads run a tile ahead of its arithmetic: the keys and values of tile
+        # i + 1 (and the block ids of tile i + 2) are loaded into registers before tile i
+        # is attended, so their memory latency overlaps its products. Past ``hi`` the loads
+        # are masked off (no memory is read). The arithmetic is the same either way.
+        k, v, k_scale, v_scale = _kv_tile(
+            tl.load(tables + (lo + offsets) // BLOCK_SIZE, mask=lo + offsets < hi,
+                            other=0),
+            lo + offsets, hi, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, kv_head,
+            dims, dim_ok, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+            stride_sb, stride_ss, BLOCK_N, BLOCK_SIZE, SCALED)
+        next_keys = lo + BLOCK_N + offsets
+        next_block = tl.load(tables + next_keys // BLOCK_SIZE, mask=next_keys < hi, other=0)
     for start in range(lo, hi, BLOCK_N):
         keys = start + offsets
         key_ok = keys < hi
-        block = tl.load(block_tables_ptr + seq * stride_bt + keys // BLOCK_SIZE, mask=key_ok,
-                        other=0)
-        slot = keys % BLOCK_SIZE
-        k = tl.load(k_cache_ptr + block[None, :] * stride_kb + slot[None, :] * stride_ks
-                    + kv_head * stride_kh + dims[:, None],
-                    mask=key_ok[None, :] & dim_ok[:, None], other=0.0)  # [HEAD_P, BLOCK_N]
+        if PREFETCH:
+            k_next, v_next, k_scale_next, v_scale_next = _kv_tile(
+                next_block, keys + BLOCK_N, hi, k_cache_ptr, v_cache_ptr,
+                k_scale_ptr, v_scale_ptr, kv_head, dims, dim_ok, stride_kb, stride_ks,
+                stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss, BLOCK_N,
+                BLOCK_SIZE, SCALED)
+            after_next = keys + 2 * BLOCK_N
+            next_block = tl.load(tables + after_next // BLOCK_SIZE, mask=after_next < hi,
+                                 other=0)
+        else:
+            block = tl.load(tables + keys // BLOCK_SIZE, mask=key_ok, other=0)
+            k, v, k_scale, v_scale = _kv_tile(
+                block, keys, hi, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+                kv_head, dims, dim_ok, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
+                stride_vh, stride_sb, stride_ss, BLOCK_N, BLOCK_SIZE, SCALED)
         s = _dot(q, k.to(q.dtype), UPCAST)  # [BLOCK_M, BLOCK_N] float32
         if SCALED:
-            k_scale = tl.load(k_scale_ptr + block * stride_sb + slot * stride_ss + kv_head,
-                              mask=key_ok, other=0.0)
             s = s * k_scale[None, :]
         s = s * scale
         visible = (keys[None, :] <= position[:, None]) & key_ok[None, :]
@@ -137,15 +194,12 @@ def paged_attention_kernel(
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + block[:, None] * stride_vb + slot[:, None] * stride_vs
-                    + kv_head * stride_vh + dims[None, :],
-                    mask=key_ok[:, None] & dim_ok[None, :], other=0.0)  # [BLOCK_N, HEAD_P]
         if SCALED:  # values dequantized: scaled probabilities would underflow in float16
-            v_scale = tl.load(v_scale_ptr + block * stride_sb + slot * stride_ss + kv_head,
-                              mask=key_ok, other=0.0)
             v = v.to(tl.float32) * v_scale[:, None]
         acc = acc * alpha[:, None] + _dot(p.to(q.dtype), v.to(q.dtype), UPCAST)
         m_i = m_new
+        if PREFETCH:
+            k, v, k_scale, v_scale = k_next, v_next, k_scale_next, v_scale_next
 
     if SPLIT:
         # Only the segments a row's keys reach have entries (the rest of the tile's do not).
