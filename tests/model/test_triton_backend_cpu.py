@@ -77,3 +77,54 @@ def test_speculative_verification_rows(tiny_model_dir, triton_engine):
     spec, _ = _generate(path, prompts, params, num_kv_blocks=64, speculative_config={
         "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3})
     assert spec == plain
+
+
+@pytest.fixture
+def gpu_layers(monkeypatch):
+    """The layers' GPU kernels (``triton_ops``) for CPU tensors, under the interpreter: the
+    CPU kernels off (weights not packed for them), ``gpu_ops_for`` answering for CPU."""
+    from llmserve.layers import activation, norm, triton_ops
+    from llmserve.layers.quantization import dense
+    from llmserve.models import llama
+
+    for module in (activation, norm, dense):
+        monkeypatch.setattr(module, "cpu_ops", lambda: None)
+    for module in (activation, norm, dense, llama):
+        monkeypatch.setattr(module, "gpu_ops_for", lambda x: triton_ops)
+
+
+@pytest.mark.parametrize("name", ["llama-gqa", "qwen2"])
+def test_the_stream_through_the_linears_gives_the_norm_kernels_bits(tiny_model_dir, name,
+                                                                     gpu_layers, monkeypatch):
+    """The GPU's decoder layers (``forward_stream``: each norm read by the projection after
+    it, each block output added by the projection that makes it), run by the interpreter:
+    the logits of the norms' own kernels (``forward``), bit for bit, whether the linears
+    normalise the rows themselves or the norm's kernel runs first; Qwen2's projections have
+    biases. tests/model/test_cuda.py checks the same on a GPU."""
+    from llmserve.layers import triton_linear, triton_ops
+    from llmserve.models import llama
+
+    path, _ = tiny_model_dir(name)
+    model = load_model(str(path), "cpu", quantization="none").model
+    assert hasattr(model.model.layers[0].mlp.down_proj, "weight")  # not packed for the CPU
+    norms = []  # the norm kernel's launches: by the layers, and by the linears
+    for module in (triton_ops, triton_linear):
+        monkeypatch.setattr(module, "rms_norm", lambda *a, _f=module.rms_norm, **k:
+                            norms.append(1) or _f(*a, **k))
+    ids = list(range(100, 108))  # 8 rows: the linears normalise them themselves
+    layers = len(model.model.layers)
+    logits = {}
+    for stream, norm_rows, launches in ((False, 0, 2 * layers + 1), (True, 0, 2 * layers + 1),
+                                        (True, 1 << 30, 1)):
+        monkeypatch.setattr(llama, "STREAM_THROUGH_LINEARS", stream)
+        monkeypatch.setattr(triton_linear, "NORM_MAX_ROWS", norm_rows)
+        norms.clear()
+        logits[stream, norm_rows] = sequence_logits(model, ids, backend="triton_paged")
+        assert len(norms) == launches, (stream, norm_rows)
+    first = logits[False, 0]
+    for key, got in logits.items():
+        assert torch.equal(got, first), key
+    monkeypatch.undo()  # the reference: PyTorch's attention, the CPU kernels' layers
+    ref = sequence_logits(load_model(str(path), "cpu", quantization="none").model, ids,
+                          backend="torch_paged")
+    assert float((first - ref).norm() / ref.norm()) < 1e-5
