@@ -18,8 +18,7 @@ import sys
 import warnings
 
 KINDS = {  # argument-name -> type overrides per kernel (pointers default to bfloat16)
-    "_linear_kernel": {"part_ptr": "*fp32", "count_ptr": "*i32", "nw_ptr": "*fp32",
-                       "eps": "fp32"},
+    "_linear_kernel": {"part_ptr": "*fp32", "count_ptr": "*i32"},
     "_sum_splits_kernel": {"part_ptr": "*fp32"},
     "_rms_norm_kernel": {"w_ptr": "*fp32", "eps": "fp32"},
     "_rotary_kernel": {"pos_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32",
@@ -42,26 +41,19 @@ MEMORY_OP = re.compile(r"\b(ld\.global|st\.global|cp\.async\.(ca|cg)|atom\.|red\
 def _cases():
     from llmserve.attention import triton_kernels as attn
     from llmserve.layers import triton_linear as lin
-    from llmserve.layers import triton_norm as norm_mod
     from llmserve.layers import triton_ops as ops
 
-    for pdl, gated, norm, add in ((True, False, False, False), (False, False, False, False),
-                                  (True, True, False, False), (True, False, True, False),
-                                  (True, True, True, False), (True, False, False, True)):
+    for pdl, gated in ((True, False), (False, False), (True, True)):
         for splits, in_order, fused in ((6, False, True), (6, False, False), (6, True, False),
                                         (1, False, False)):
             if gated and splits > 1 and not (in_order or fused):
                 continue  # a gated product never leaves its parts to _sum_splits_kernel
-            options = {"num_warps": 4, "num_stages": 3} | (norm_mod.NO_CONTRACTION if norm
-                                                            else {})
             yield lin._linear_kernel, dict(
                 BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, SPLITS=splits, IN_ORDER=in_order,
-                FUSED=fused, GATED=gated, NORM=norm, ADD=add, NORM_ROWS=8, NORM_BLOCK=2048,
-                CHUNK=128, LEVELS=7, UPCAST=False, PDL=pdl), options
-    for add in (False, True):
-        yield lin._sum_splits_kernel, dict(SPLITS=6, ADD=add, BLOCK=1024, PDL=True), {}
-    yield norm_mod._rms_norm_kernel, dict(ADD=True, BLOCK=2048, CHUNK=128, LEVELS=7,
-                                          PDL=True), dict(norm_mod.NO_CONTRACTION)
+                FUSED=fused, GATED=gated, UPCAST=False, PDL=pdl), {"num_warps": 4,
+                                                                   "num_stages": 3}
+    yield lin._sum_splits_kernel, dict(SPLITS=6, BLOCK=1024, PDL=True), {}
+    yield ops._rms_norm_kernel, dict(ADD=True, BLOCK=2048, PDL=True), {}
     for store in (False, True):
         yield ops._rotary_kernel, dict(HALF=32, HEADS=32, HALF_P=32, DIM_P=64, STORE=store,
                                        PDL=True), {}
@@ -70,7 +62,7 @@ def _cases():
     for split, scaled, windowed, prefetch in ((True, False, False, True),
                                               (False, False, False, True),
                                               (False, False, True, True),
-                                              (True, True, False, False),
+                                              (True, True, False, True),
                                               (False, False, False, False)):
         yield attn.paged_attention_kernel, dict(
             GROUP=4, GROUP_P=4, BLOCK_Q=16, HEAD_DIM=64, HEAD_P=64, BLOCK_SIZE=16, BLOCK_N=64,

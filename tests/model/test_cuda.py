@@ -58,29 +58,6 @@ def test_logits_match_transformers_on_cuda(tiny_model_dir, name):
     assert float((got - ref).norm() / ref.norm()) < max(3e-2, 1.5 * own_loss)
 
 
-@pytest.mark.parametrize("name", ["llama-gqa", "qwen2", "qwen3"])
-def test_the_stream_through_the_linears_gives_the_norm_kernels_bits(tiny_model_dir, name,
-                                                                     monkeypatch):
-    """The layers' norms read by the projections after them, and the block outputs added
-    by the projections that make them: the logits of the norms' own kernels, bit for bit,
-    whether the linears normalise the rows themselves (every row here) or the norm's kernel
-    runs first; Qwen2's projections with biases take the norm in too."""
-    from llmserve.layers import triton_linear
-    from llmserve.models import llama
-
-    path, _ = tiny_model_dir(name)
-    loaded = load_model(str(path), "cuda", quantization="auto", dtype="bfloat16")
-    for ids in (list(range(100, 108)), list(range(100, 160))):  # 8 rows: normalised inside
-        logits = {}
-        for stream, norm_rows in ((False, 0), (True, 0), (True, 8)):
-            monkeypatch.setattr(llama, "STREAM_THROUGH_LINEARS", stream)
-            monkeypatch.setattr(triton_linear, "NORM_MAX_ROWS", norm_rows)
-            logits[stream, norm_rows] = sequence_logits(loaded.model, ids)
-        first = logits[False, 0]
-        for key, got in logits.items():
-            assert torch.equal(got, first), (len(ids), key)
-
-
 def test_graph_replays_give_the_eager_tokens(tiny_model_dir):
     """Short contexts, then two long ones that finish first: steps replay the graphs for
     one attention segment and those for the longest context, and give the eager tokens."""

@@ -8,7 +8,6 @@ test_triton_attention.py); on a GPU the same tests run on CUDA.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -207,90 +206,3 @@ def test_silu_and_mul(dtype):
     ref = F.silu(x[:, :300].float()) * x[:, 300:].float()
     tol = 1e-6 if dtype == torch.float32 else 1e-2
     assert rel_err(triton_linear.silu_and_mul(x), ref) < tol
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("n,k", [(96, 200), (256, 1024), (48, 64), (100, 1100)])
-def test_linear_with_the_norm_gives_the_norm_kernel_s_bits(dtype, n, k, monkeypatch,
-                                                          few_multiprocessors):
-    """Given an RMSNorm, the linear normalises up to 8 rows itself (past them the norm's
-    kernel runs first): the bits of the norm's kernel followed by the plain product,
-    whether the weight splits (parts added by the last program, by a second kernel, or in
-    one program per tile) or not, for the gate/up product too, alone and in any batch. Rows
-    of fewer inputs than a chunk (64), of a chunk cut short (200, 1100), of whole chunks."""
-    monkeypatch.setattr(triton_linear, "NORM_MAX_ROWS", 8)
-    monkeypatch.setattr(triton_linear, "GATED_MAX_ROWS", 1 << 30)
-    w = randn(n, k, dtype=dtype, seed=31)
-    norm_w = randn(k, seed=32).abs() + 0.5  # float32, as the layers keep it
-    x = randn(70, k, dtype=dtype, seed=33) * 3
-    normed = triton_linear.rms_norm(x, norm_w, 1e-5)
-    splits = triton_linear.linear_config(n, k)[3]
-    ways = [("fused", 1 << 30), ("kernel", 1 << 30), ("fused", 1)] if splits > 1 else [
-        ("fused", 1 << 30)]
-    for reduce, in_order_tiles in ways:
-        monkeypatch.setattr(triton_linear, "SPLITK_REDUCE", reduce)
-        monkeypatch.setattr(triton_linear, "IN_ORDER_TILES", in_order_tiles)
-        two = triton_linear.linear(normed, w)
-        for rows in ([0], [3, 4, 5], [69], list(range(8)), list(range(70))):
-            one = triton_linear.linear(x[rows], w, norm=(norm_w, 1e-5))
-            assert torch.equal(one, two[rows]), (reduce, in_order_tiles, rows)
-        gated = triton_linear.linear_silu_and_mul(x[:8], w, norm=(norm_w, 1e-5))
-        assert torch.equal(gated, triton_linear.silu_and_mul(two[:8])), reduce
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("n,k", [(96, 200), (256, 1024), (100, 1100)])
-def test_linear_adds_its_output_to_the_residual(dtype, n, k, monkeypatch,
-                                               few_multiprocessors):
-    """With a residual the product is added to it in place, as the norm's kernel adds a
-    delta (the product rounded, then the sum rounded): the same bits, whichever way a split
-    weight's parts are added."""
-    w = randn(n, k, dtype=dtype, seed=41)
-    x = randn(70, k, dtype=dtype, seed=42)
-    norm_w = torch.ones(n, device=DEVICE)
-    splits = triton_linear.linear_config(n, k)[3]
-    ways = [("fused", 1 << 30), ("kernel", 1 << 30), ("fused", 1)] if splits > 1 else [
-        ("fused", 1 << 30)]
-    for reduce, in_order_tiles in ways:
-        monkeypatch.setattr(triton_linear, "SPLITK_REDUCE", reduce)
-        monkeypatch.setattr(triton_linear, "IN_ORDER_TILES", in_order_tiles)
-        for m in (1, 3, 70):
-            residual = randn(m, n, dtype=dtype, seed=43 + m)
-            expected = residual.clone()
-            triton_linear.rms_norm(triton_linear.linear(x[:m], w), norm_w, 1e-5,
-                                   residual=expected)
-            out = triton_linear.linear(x[:m], w, residual=residual)
-            assert out is residual and torch.equal(residual, expected), (reduce, m)
-    with pytest.raises(ValueError, match="residual must be"):
-        triton_linear.linear(x, w, residual=randn(70, n + 1, dtype=dtype))
-
-
-@pytest.mark.parametrize("n", [64, 200, 576, 2048])
-def test_rms_norm_sums_its_squares_in_the_linear_s_order(n):
-    """The norm's kernel (one row in registers) adds its squares in the order of the
-    linear's row statistics (``inv_rms``: chunks read one after another, each summed as a
-    pairwise tree), against that order written out in PyTorch, on rows of widely spread
-    magnitudes: exactly under the interpreter."""
-    gen = torch.Generator().manual_seed(n)
-    x = (torch.randn(3, n, generator=gen) * torch.exp(torch.randn(3, n, generator=gen) * 4))
-    x = x.to(torch.bfloat16).float()
-    w = torch.ones(n)
-    chunk = triton_linear.norm_block(n)[1]
-    expected = []
-    for row in x.double():
-        total = torch.zeros((), dtype=torch.float32)
-        for c0 in range(0, n, chunk):
-            sq = (row[c0:c0 + chunk].float() ** 2)
-            sq = F.pad(sq, (0, chunk - sq.numel()))
-            while sq.numel() > 1:  # pairwise: 2i + (2i + 1)
-                sq = sq[0::2] + sq[1::2]
-            total = total + sq[0]
-        # IEEE float32 (numpy's; PyTorch's CPU reciprocal may be off by an ulp or two)
-        f32 = np.float32
-        expected.append(f32(1.0) / np.sqrt(f32(total.item()) / f32(n) + f32(1e-6)))
-    got = triton_linear.rms_norm(x.to(DEVICE), w.to(DEVICE), 1e-6).cpu()
-    want = x * torch.tensor(np.array(expected))[:, None]
-    if CUDA:  # the GPU's square root and division are approximate (in both kernels alike)
-        assert torch.allclose(got, want, rtol=1e-6, atol=0), (got - want).abs().max()
-    else:  # IEEE float32 throughout: the order of the additions shows
-        assert torch.equal(got, want), (got - want).abs().max()

@@ -123,8 +123,7 @@ PDL_GPU = CUDA and torch.cuda.get_device_capability()[0] >= 9
 
 def _layer_kernels(x, w_qkv, w_o, norm_w, cos, sin, positions, kc, vc, slots):
     """The layer's kernels in a step's order: norm, split and whole-tile linears, rotary,
-    KV store, SiLU, the residual add; then the same with the norm in the linear and the
-    residual add in the output projection's."""
+    KV store, SiLU, the residual add."""
     h = triton_ops.rms_norm(x, norm_w, 1e-5)
     qkv = triton_ops.linear(h, w_qkv)  # [T, 192]: q 4 heads, k and v 1 head of 32
     q, k, v = qkv[:, :128].view(-1, 4, 32), qkv[:, 128:160].view(-1, 1, 32), qkv[:, 160:]
@@ -133,11 +132,7 @@ def _layer_kernels(x, w_qkv, w_o, norm_w, cos, sin, positions, kc, vc, slots):
     act = triton_ops.silu_and_mul(q.reshape(-1, 128))
     delta = triton_ops.linear(act, w_o)
     residual = x.clone()
-    normed = triton_ops.rms_norm(delta, norm_w, 1e-5, residual=residual)
-    qkv_normed = triton_ops.linear(x, w_qkv, norm=(norm_w, 1e-5))  # the norm inside
-    stream = x.clone()
-    triton_ops.linear(act, w_o, residual=stream)  # the add inside
-    return normed, residual, qkv, qkv_normed, stream
+    return triton_ops.rms_norm(delta, norm_w, 1e-5, residual=residual), residual, qkv
 
 
 @pytest.mark.skipif(not PDL_GPU, reason="programmatic dependent launch needs a GPU of "
@@ -164,8 +159,6 @@ def test_programmatic_dependent_launch_gives_the_same_bits(monkeypatch):
 
     monkeypatch.setattr(triton_launch, "PDL", False)
     reference = run()
-    assert torch.equal(reference[3], reference[2])  # the norm in the linear: its bits
-    assert torch.equal(reference[4], reference[1])  # the add in the linear: its bits
     monkeypatch.setattr(triton_launch, "PDL", True)
     assert triton_launch.pdl_for(x)
     for got, want in zip(run(), reference):

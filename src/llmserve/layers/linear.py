@@ -13,7 +13,6 @@ import torch
 from torch import nn
 
 from llmserve.layers.activation import silu_and_mul
-from llmserve.layers.norm import RMSNorm
 from llmserve.layers.quantization import LinearMethod, WeightFormat
 from llmserve.layers.quantization.base import WeightSource, as_float
 
@@ -32,22 +31,9 @@ class Linear(nn.Module):
                      if bias else None)
         self.shard_offsets: dict[str, tuple[int, int]] = {}
 
-    def forward(self, x: torch.Tensor, *, norm: RMSNorm | None = None,
-                residual: torch.Tensor | None = None) -> torch.Tensor:
-        """``x W^T + b``; with ``norm``, of ``norm(x)`` (``x`` the residual stream); with
-        ``residual``, the result is added to it in place (rounded to its dtype first, as
-        ``RMSNorm.add_and_norm`` adds) and it is returned. Both in the product's kernel
-        where the method has one (the GPU's dense linear), else apart."""
-        if norm is None and residual is None:
-            y = self.quant_method.apply(self, x)
-            return y if self.bias is None else y.add_(self.bias)
-        norm_args = None if norm is None else (norm.weight, norm.eps)
-        if self.bias is None or residual is None:
-            y = self.quant_method.apply_fused(self, x, norm_args, residual)
-            if y is not None:
-                return y if self.bias is None else y.add_(self.bias)
-        y = self(x if norm is None else norm(x))
-        return y if residual is None else residual.add_(y)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.quant_method.apply(self, x)
+        return y if self.bias is None else y.add_(self.bias)
 
     def load_shard(self, name: str, tensor: WeightSource, shard: str | None = None) -> None:
         """Take a loaded ``weight`` or ``bias`` (of one shard, for a fused layer)."""
@@ -85,16 +71,15 @@ class MergedLinear(Linear):
             offset += size
         self.output_sizes = list(shard_sizes.values())
 
-    def silu_and_mul(self, x: torch.Tensor, *, norm: RMSNorm | None = None) -> torch.Tensor:
-        """``silu(gate) * up`` of a gate/up projection of ``x`` (of ``norm(x)`` with
-        ``norm``): in the product's own kernel where the weight's method has one (the GPU's
-        dense linear), else the product, then the activation."""
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` of a gate/up projection of ``x``: in the product's own
+        kernel where the weight's method has one (the GPU's dense linear), else the
+        product, then the activation."""
         if self.bias is None and len(self.output_sizes) == 2:
-            norm_args = None if norm is None else (norm.weight, norm.eps)
-            y = self.quant_method.apply_silu_and_mul(self, x, norm_args)
+            y = self.quant_method.apply_silu_and_mul(self, x)
             if y is not None:
                 return y
-        return silu_and_mul(self(x, norm=norm))
+        return silu_and_mul(self(x))
 
 
 class VocabEmbedding(Linear):

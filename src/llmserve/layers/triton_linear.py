@@ -37,7 +37,6 @@ import triton.language as tl
 
 from llmserve import envs
 from llmserve.layers.triton_launch import INTERPRETED, pdl_for, pdl_launch, wait_for_inputs
-from llmserve.layers.triton_norm import NO_CONTRACTION, inv_rms, norm_block, rms_norm
 
 _SMS = 132  # streaming multiprocessors of an H100/H200: enough tiles to fill them
 # Split-K on a decode: programs per multiprocessor aimed at, and the output tile's width
@@ -61,23 +60,16 @@ IN_ORDER_TILES = 4 * TILES_PER_SM * _SMS
 # more at 64 rows, where its epilogue costs more than the launch it saves (BENCHMARKS.md,
 # session 44). 0: always two kernels. Read at call time.
 GATED_MAX_ROWS = 8
-# A linear given an RMSNorm normalises its input rows itself up to this many rows (the same
-# bits as the norm's kernel before it; each program reads its rows whole, which costs more
-# than the launch saved once the rows are many). 0: always the norm's kernel. Read at call
-# time.
-NORM_MAX_ROWS = 8
-_NORM_ROWS = 8  # the most rows a program's norm statistics cover (read whole, in registers)
 
 
 @triton.jit
 def _sum_part(a_ptr, w_ptr, rm, rn, n_ok, M, K, k_per_split, part, stride_am, stride_wn,
-              inv, nw_ptr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_K: tl.constexpr, NORM: tl.constexpr, UPCAST: tl.constexpr):
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              UPCAST: tl.constexpr):
     """Part ``part`` of a tile (weight rows ``rn``, those of ``n_ok`` real): float32 sums
     from zero over its inputs [part * k_per_split, (part + 1) * k_per_split) (within K), in
     tiles of BLOCK_K, in order. The one place a part's inputs are chosen, whichever program
-    sums it. NORM: the inputs are RMSNorm's output, ``(a * inv) * nw`` rounded to A's dtype
-    (``inv``: each row's 1 / rms, ``nw``: the norm's weight), as its own kernel writes it."""
+    sums it."""
     k_lo = part * k_per_split
     k_hi = tl.minimum(K, k_lo + k_per_split)
     rk = tl.arange(0, BLOCK_K)
@@ -86,9 +78,6 @@ def _sum_part(a_ptr, w_ptr, rm, rn, n_ok, M, K, k_per_split, part, stride_am, st
         ks = k0 + rk
         a = tl.load(a_ptr + rm[:, None] * stride_am + ks[None, :],
                     mask=(rm[:, None] < M) & (ks[None, :] < k_hi), other=0.0)
-        if NORM:
-            nw = tl.load(nw_ptr + ks, mask=ks < k_hi, other=0.0).to(tl.float32)
-            a = (a.to(tl.float32) * inv[:, None] * nw[None, :]).to(a_ptr.dtype.element_ty)
         w = tl.load(w_ptr + rn[None, :] * stride_wn + ks[:, None],
                     mask=n_ok[None, :] & (ks[:, None] < k_hi), other=0.0)  # [BK, BN]
         if UPCAST:  # the interpreter multiplies 16-bit matrices wrongly
@@ -100,12 +89,10 @@ def _sum_part(a_ptr, w_ptr, rm, rn, n_ok, M, K, k_per_split, part, stride_am, st
 
 @triton.jit
 def _store_tile(c_ptr, acc, rm, M, col, n_ok, stride_cm, GATED: tl.constexpr,
-                ADD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """A tile's sums to C in its dtype; GATED: the tile's columns are (gate, up) pairs, and
     ``silu(gate) * up`` of the pairs goes to C (one column per pair), computed as
-    ``silu_and_mul`` computes it from the rounded products. ADD: C holds the residual
-    stream, and gets ``C + sums`` (the sums rounded first), as RMSNorm's kernel adds a
-    delta."""
+    ``silu_and_mul`` computes it from the rounded products."""
     if GATED:
         y = acc.to(c_ptr.dtype.element_ty).to(tl.float32)
         gate, up = tl.split(tl.reshape(y, [BLOCK_M, BLOCK_N // 2, 2]))
@@ -116,22 +103,15 @@ def _store_tile(c_ptr, acc, rm, M, col, n_ok, stride_cm, GATED: tl.constexpr,
         tl.store(c_ptr + rm[:, None] * stride_cm + pair_col[None, :],
                  out.to(c_ptr.dtype.element_ty), mask=(rm[:, None] < M) & pair_ok[None, :])
     else:
-        out = acc.to(c_ptr.dtype.element_ty)
-        where = c_ptr + rm[:, None] * stride_cm + col[None, :]
-        ok = (rm[:, None] < M) & n_ok[None, :]
-        if ADD:
-            out = (tl.load(where, mask=ok, other=0.0).to(tl.float32)
-                   + out.to(tl.float32)).to(c_ptr.dtype.element_ty)
-        tl.store(where, out, mask=ok)
+        tl.store(c_ptr + rm[:, None] * stride_cm + col[None, :],
+                 acc.to(c_ptr.dtype.element_ty), mask=(rm[:, None] < M) & n_ok[None, :])
 
 
 @triton.jit(do_not_specialize=["M"])
-def _linear_kernel(a_ptr, w_ptr, c_ptr, part_ptr, count_ptr, nw_ptr, M, N, K, k_per_split,
-                   stride_am, stride_wn, stride_cm, eps, BLOCK_M: tl.constexpr,
+def _linear_kernel(a_ptr, w_ptr, c_ptr, part_ptr, count_ptr, M, N, K, k_per_split,
+                   stride_am, stride_wn, stride_cm, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr,
                    IN_ORDER: tl.constexpr, FUSED: tl.constexpr, GATED: tl.constexpr,
-                   NORM: tl.constexpr, ADD: tl.constexpr, NORM_ROWS: tl.constexpr,
-                   NORM_BLOCK: tl.constexpr, CHUNK: tl.constexpr, LEVELS: tl.constexpr,
                    UPCAST: tl.constexpr, PDL: tl.constexpr):
     """C [M, N] = A [M, K] @ W [N, K]^T: float32 sums over K in tiles of BLOCK_K, in order.
     With SPLITS > 1 the inputs are cut into parts of ``k_per_split``, each summed from zero,
@@ -144,12 +124,7 @@ def _linear_kernel(a_ptr, w_ptr, c_ptr, part_ptr, count_ptr, nw_ptr, M, N, K, k_
       operations in the same order (the same bits), without the partials.
     GATED (W a fused gate/up projection [2d, K]): a tile of BLOCK_N columns takes the gate
     and up rows of BLOCK_N / 2 outputs, interleaved, and C [M, d] gets ``silu(gate) * up``
-    of each pair. Each column's sums are those of the plain product.
-    NORM (M <= NORM_ROWS): A is the residual stream, and the product is of its RMSNorm
-    (weight ``nw``, ``eps``): each program reads the rows whole first (NORM_BLOCK wide, in
-    one load) and computes their 1 / rms (``inv_rms``, in chunks of CHUNK = 2^LEVELS),
-    then normalises each A tile as it reads it.
-    ADD: C is the residual stream, and each output is added to it (``_store_tile``)."""
+    of each pair. Each column's sums are those of the plain product."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rp = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # the tile's columns of the product
@@ -163,27 +138,17 @@ def _linear_kernel(a_ptr, w_ptr, c_ptr, part_ptr, count_ptr, nw_ptr, M, N, K, k_
         rn = rp
         n_ok = rp < N
     wait_for_inputs(PDL)
-    inv = tl.zeros([BLOCK_M], tl.float32)
-    if NORM:  # the first NORM_ROWS rows, whole (M <= NORM_ROWS: the only row tile)
-        stat_rows = tl.arange(0, NORM_ROWS)
-        cols = tl.arange(0, NORM_BLOCK)
-        x = tl.load(a_ptr + stat_rows[:, None] * stride_am + cols[None, :],
-                    mask=(stat_rows[:, None] < M) & (cols[None, :] < K), other=0.0)
-        inv_stat = inv_rms(x.to(tl.float32), K, eps, NORM_BLOCK, CHUNK, LEVELS)
-        tile_rows = tl.arange(0, BLOCK_M)  # each tile row picks its own, exactly
-        inv = tl.sum(tl.where(tile_rows[:, None] == stat_rows[None, :], inv_stat[None, :],
-                              0.0), 1)
     if IN_ORDER:
         acc = _sum_part(a_ptr, w_ptr, rm, rn, n_ok, M, K, k_per_split, 0, stride_am,
-                        stride_wn, inv, nw_ptr, BLOCK_M, BLOCK_N, BLOCK_K, NORM, UPCAST)
+                        stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
         for s in range(1, SPLITS):
             acc += _sum_part(a_ptr, w_ptr, rm, rn, n_ok, M, K, k_per_split, s, stride_am,
-                             stride_wn, inv, nw_ptr, BLOCK_M, BLOCK_N, BLOCK_K, NORM, UPCAST)
-        _store_tile(c_ptr, acc, rm, M, col, n_ok, stride_cm, GATED, ADD, BLOCK_M, BLOCK_N)
+                             stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
+        _store_tile(c_ptr, acc, rm, M, col, n_ok, stride_cm, GATED, BLOCK_M, BLOCK_N)
     elif SPLITS > 1:
         split = tl.program_id(2)
         acc = _sum_part(a_ptr, w_ptr, rm, rn, n_ok, M, K, k_per_split, split, stride_am,
-                        stride_wn, inv, nw_ptr, BLOCK_M, BLOCK_N, BLOCK_K, NORM, UPCAST)
+                        stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
         ok = (rm[:, None] < M) & n_ok[None, :]
         parts = part_ptr + rm[:, None] * N + rp[None, :]
         tl.store(parts + split * M * N, acc, mask=ok)
@@ -199,18 +164,18 @@ def _linear_kernel(a_ptr, w_ptr, c_ptr, part_ptr, count_ptr, nw_ptr, M, N, K, k_
                 for s in tl.static_range(1, SPLITS):  # the order of _sum_splits_kernel
                     total += tl.load(parts + s * M * N, mask=ok, other=0.0,
                                      cache_modifier=".cg")
-                _store_tile(c_ptr, total, rm, M, col, n_ok, stride_cm, GATED, ADD, BLOCK_M,
+                _store_tile(c_ptr, total, rm, M, col, n_ok, stride_cm, GATED, BLOCK_M,
                             BLOCK_N)
                 tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")  # next call
     else:  # one part: k_per_split covers K
         acc = _sum_part(a_ptr, w_ptr, rm, rn, n_ok, M, K, k_per_split, 0, stride_am,
-                        stride_wn, inv, nw_ptr, BLOCK_M, BLOCK_N, BLOCK_K, NORM, UPCAST)
-        _store_tile(c_ptr, acc, rm, M, col, n_ok, stride_cm, GATED, ADD, BLOCK_M, BLOCK_N)
+                        stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
+        _store_tile(c_ptr, acc, rm, M, col, n_ok, stride_cm, GATED, BLOCK_M, BLOCK_N)
 
 
 @triton.jit(do_not_specialize=["M"])
 def _sum_splits_kernel(part_ptr, c_ptr, M, N, stride_cm, SPLITS: tl.constexpr,
-                       ADD: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+                       BLOCK: tl.constexpr, PDL: tl.constexpr):
     wait_for_inputs(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     total = M * N
@@ -218,12 +183,8 @@ def _sum_splits_kernel(part_ptr, c_ptr, M, N, stride_cm, SPLITS: tl.constexpr,
     acc = tl.load(part_ptr + offs, mask=ok, other=0.0)
     for s in tl.static_range(1, SPLITS):
         acc += tl.load(part_ptr + s * total + offs, mask=ok, other=0.0)
-    where = c_ptr + (offs // N) * stride_cm + offs % N
-    out = acc.to(c_ptr.dtype.element_ty)
-    if ADD:  # as _store_tile adds
-        out = (tl.load(where, mask=ok, other=0.0).to(tl.float32)
-               + out.to(tl.float32)).to(c_ptr.dtype.element_ty)
-    tl.store(where, out, mask=ok)
+    tl.store(c_ptr + (offs // N) * stride_cm + offs % N, acc.to(c_ptr.dtype.element_ty),
+             mask=ok)
 
 
 @functools.cache
@@ -282,54 +243,33 @@ def in_order(tiles: int, splits: int) -> bool:
     return splits > 1 and tiles >= IN_ORDER_TILES
 
 
-Norm = tuple[torch.Tensor, float]  # an RMSNorm's weight and epsilon
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x`` [M, K] @ ``weight`` [N, K]^T -> [M, N] in the weight's dtype."""
+    return _linear(x, weight, gated=False)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, *, norm: Norm | None = None,
-           residual: torch.Tensor | None = None) -> torch.Tensor:
-    """``x`` [M, K] @ ``weight`` [N, K]^T -> [M, N] in the weight's dtype.
-
-    ``norm`` (an RMSNorm's weight and epsilon): the product is of ``rms_norm(x)``, ``x``
-    being the residual stream; up to ``NORM_MAX_ROWS`` rows the linear's kernel normalises
-    the rows itself (one launch fewer), beyond them the norm's kernel runs first: the same
-    bits. ``residual`` [M, N]: the product is added to it in place (as RMSNorm's kernel
-    adds a delta), and it is returned."""
-    return _linear(x, weight, gated=False, norm=norm, residual=residual)
-
-
-def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, *,
-                        norm: Norm | None = None) -> torch.Tensor:
-    """``silu_and_mul(linear(x, weight, norm=norm))`` in one launch, with the same bits:
-    ``weight`` is a fused gate/up projection [2d, K], the result [M, d]. Each tile
-    multiplies the gate and up rows of its outputs side by side (the same tiles and sums as
-    ``linear``) and writes ``silu(gate) * up``: the product's [M, 2d] never goes to memory,
-    and a layer launches one kernel fewer. Past ``GATED_MAX_ROWS`` rows, and with
+def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``silu_and_mul(linear(x, weight))`` in one launch, with the same bits: ``weight`` is
+    a fused gate/up projection [2d, K], the result [M, d]. Each tile multiplies the gate
+    and up rows of its outputs side by side (the same tiles and sums as ``linear``) and
+    writes ``silu(gate) * up``: the product's [M, 2d] never goes to memory, and a layer
+    launches one kernel fewer. Past ``GATED_MAX_ROWS`` rows, and with
     ``LLMSERVE_SPLITK_REDUCE=kernel`` for a split weight (whose second launch adds plain
     parts), the product and ``silu_and_mul`` run as two kernels."""
     if weight.shape[0] % 2:
         raise ValueError(f"a gate/up weight has an even number of rows, not {weight.shape[0]}")
     if x.shape[0] > GATED_MAX_ROWS:
-        return silu_and_mul(_linear(x, weight, gated=False, norm=norm, residual=None))
-    return _linear(x, weight, gated=True, norm=norm, residual=None)
+        return silu_and_mul(_linear(x, weight, gated=False))
+    return _linear(x, weight, gated=True)
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor, gated: bool, norm: Norm | None,
-            residual: torch.Tensor | None) -> torch.Tensor:
+def _linear(x: torch.Tensor, weight: torch.Tensor, gated: bool) -> torch.Tensor:
     x = x.to(weight.dtype)
     if x.stride(-1) != 1:
         x = x.contiguous()
     m, k = x.shape
     n = weight.shape[0]
-    if norm is not None and m > min(NORM_MAX_ROWS, _NORM_ROWS):
-        x, norm = rms_norm(x, *norm), None
-    if residual is not None:
-        if (residual.shape != (m, n) or residual.dtype != weight.dtype
-                or residual.stride(-1) != 1):
-            raise ValueError(f"linear: the residual must be [{m}, {n}] {weight.dtype} with "
-                             f"contiguous rows, not {list(residual.shape)} {residual.dtype}")
-        out = residual
-    else:
-        out = torch.empty(m, n // 2 if gated else n, dtype=weight.dtype, device=x.device)
+    out = torch.empty(m, n // 2 if gated else n, dtype=weight.dtype, device=x.device)
     if m == 0:
         return out
     bm, bn, bk, splits = linear_config(n, k)
@@ -339,28 +279,21 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, gated: bool, norm: Norm | Non
     parallel = splits > 1 and not ordered  # one program per part, partials in memory
     fused = parallel and SPLITK_REDUCE == "fused"
     if gated and parallel and not fused:
-        return silu_and_mul(_linear(x, weight, gated=False, norm=norm, residual=None))
+        return silu_and_mul(_linear(x, weight, gated=False))
     part = (torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if parallel
             else out)
     counters = _tile_counters(x.device, tiles) if fused else out
     pdl = pdl_for(x)
-    norm_width, chunk = norm_block(k)
-    options = NO_CONTRACTION if norm is not None else {}
-    norm_weight, eps = norm if norm is not None else (out, 0.0)
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), splits if parallel else 1)
     _linear_kernel[grid](
-        x, weight, out, part, counters, norm_weight, m, n, k, k_per_split, x.stride(0),
-        weight.stride(0), out.stride(0), eps, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        SPLITS=splits, IN_ORDER=ordered, FUSED=fused, GATED=gated, NORM=norm is not None,
-        ADD=residual is not None, NORM_ROWS=_NORM_ROWS, NORM_BLOCK=norm_width, CHUNK=chunk,
-        LEVELS=chunk.bit_length() - 1,
-        UPCAST=INTERPRETED, num_warps=_LINEAR_WARPS, num_stages=_LINEAR_STAGES,
-        **options, **pdl_launch(pdl))
+        x, weight, out, part, counters, m, n, k, k_per_split, x.stride(0), weight.stride(0),
+        out.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLITS=splits, IN_ORDER=ordered,
+        FUSED=fused, GATED=gated, UPCAST=INTERPRETED, num_warps=_LINEAR_WARPS,
+        num_stages=_LINEAR_STAGES, **pdl_launch(pdl))
     if parallel and not fused:
         block = 1024
         _sum_splits_kernel[(triton.cdiv(m * n, block),)](
-            part, out, m, n, out.stride(0), SPLITS=splits, ADD=residual is not None,
-            BLOCK=block, **pdl_launch(pdl))
+            part, out, m, n, out.stride(0), SPLITS=splits, BLOCK=block, **pdl_launch(pdl))
     return out
 
 

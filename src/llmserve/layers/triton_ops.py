@@ -1,15 +1,13 @@
-"""The layers' other GPU kernels in Triton: rotary (with the KV cache store) and the KV
-cache store; and, from ``triton_linear`` and ``triton_norm``, the linear kernels and
-RMSNorm (with the residual add). This module is the namespace ``gpu_kernels.gpu_ops_for``
-gives the layers.
+"""The layers' other GPU kernels in Triton: RMSNorm (with the residual add), rotary (with
+the KV cache store) and the KV cache store; and, from ``triton_linear``, the linear
+kernels. This module is the namespace ``gpu_kernels.gpu_ops_for`` gives the layers.
 
 Why kernels of their own rather than PyTorch's ops: the PyTorch path of a decoder layer
 launches about 30 kernels (each float cast, the rotary's halves, the residual add and the
 norm apart), and a decode step of a small model is bound by them, at about 3 us a kernel
-on an H100. Here a decode of up to 8 rows takes 6 a layer while its context fits one
-attention segment (the norms in the linears, the residual adds in their outputs). And the
-linear's own kernel keeps a row's bits whatever the batch (``triton_linear``); every kernel
-here works row by row.
+on an H100. Here a decode of up to 8 rows takes 8 a layer while its context fits one
+attention segment. And the linear's own kernel keeps a row's bits whatever the batch
+(``triton_linear``); every kernel here works row by row.
 
 Each function takes and returns tensors in the activations' dtype (bfloat16, float16 or
 float32) and computes in float32. They run on CUDA tensors, or on CPU tensors under
@@ -25,10 +23,44 @@ import triton.language as tl
 
 from llmserve.layers.triton_launch import pdl_for, pdl_launch, wait_for_inputs
 from llmserve.layers.triton_linear import linear, linear_silu_and_mul, silu_and_mul
-from llmserve.layers.triton_norm import rms_norm
 
 __all__ = ["linear", "linear_silu_and_mul", "rms_norm", "rotary_", "rotary_and_store_kv",
            "silu_and_mul", "store_kv"]
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, delta_ptr, w_ptr, out_ptr, n, eps, stride_x, stride_d, stride_o,
+                     ADD: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """One row: (``x += delta``, rounded to x's dtype, when ADD), then
+    ``w * x * rsqrt(mean(x^2) + eps)`` in float32."""
+    wait_for_inputs(PDL)
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < n
+    x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
+    if ADD:
+        x = (x.to(tl.float32) + tl.load(delta_ptr + row * stride_d + cols, mask=ok,
+                                        other=0.0).to(tl.float32)).to(x.dtype)
+        tl.store(x_ptr + row * stride_x + cols, x, mask=ok)
+    xf = x.to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / n + eps)
+    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, (xf * inv * w).to(out_ptr.dtype.element_ty),
+             mask=ok)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> torch.Tensor:
+    """RMSNorm of the rows of ``x`` [T, H]; with ``residual``, ``x`` is a delta: first
+    ``residual += x`` in place, and the norm is of the sum."""
+    rows_of = x if residual is None else residual
+    rows, n = rows_of.shape
+    out = torch.empty_like(rows_of)
+    if rows:
+        _rms_norm_kernel[(rows,)](rows_of, x, weight, out, n, eps, rows_of.stride(0),
+                                  x.stride(0), out.stride(0), ADD=residual is not None,
+                                  BLOCK=triton.next_power_of_2(n), **pdl_launch(pdl_for(x)))
+    return out
 
 
 @triton.jit

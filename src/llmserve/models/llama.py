@@ -10,7 +10,6 @@ import torch
 from torch import nn
 
 from llmserve.attention import Attention, AttentionContext, Rope
-from llmserve.layers.gpu_kernels import gpu_ops_for
 from llmserve.layers.linear import Linear, MergedLinear, VocabEmbedding
 from llmserve.layers.norm import RMSNorm
 from llmserve.layers.quantization import WeightFormat
@@ -18,11 +17,6 @@ from llmserve.layers.rotary import RotaryEmbedding
 from llmserve.models.arch_config import ArchConfig
 from llmserve.models.base import CausalLM
 from llmserve.models.fused import FusedDecoder
-
-# On a GPU, the layers pass the residual stream through their projections
-# (``LlamaDecoderLayer.forward_stream``); False: the norms' kernels add each block's output
-# and normalise (``forward``). The same bits. Read at call time.
-STREAM_THROUGH_LINEARS = True
 
 
 class LlamaAttention(nn.Module):
@@ -48,12 +42,9 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(layer_idx, self.num_heads, self.num_kv_heads, self.head_dim,
                               scale=scale, sliding_window=sliding_window)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: AttentionContext, *,
-                norm: RMSNorm | None = None, residual: torch.Tensor | None = None
-                ) -> torch.Tensor:
-        """The attention of ``x``, or of ``norm(x)``; with ``residual``, added to it (in
-        place; returned)."""
-        qkv = self.qkv_proj(x, norm=norm)  # [T, (Hq + 2 Hkv) * D]
+    def forward(self, positions: torch.Tensor, x: torch.Tensor,
+                ctx: AttentionContext) -> torch.Tensor:
+        qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) * D]
         q, k, v = qkv.split(self.qkv_proj.output_sizes, dim=-1)
         d = self.head_dim
         if self.q_norm is not None and self.k_norm is not None:  # per head: [T * H, D] rows
@@ -64,8 +55,7 @@ class LlamaAttention(nn.Module):
             k = k.view(-1, self.num_kv_heads, d)
         v = v.view(-1, self.num_kv_heads, d)
         # The backend rotates q and k (on a GPU in the kernel that stores the keys).
-        return self.o_proj(self.attn(q, k, v, ctx, Rope(self.rotary, positions)),
-                           residual=residual)
+        return self.o_proj(self.attn(q, k, v, ctx, Rope(self.rotary, positions)))
 
 
 class LlamaMLP(nn.Module):
@@ -76,11 +66,8 @@ class LlamaMLP(nn.Module):
                                          bias=cfg.mlp_bias, fmt=fmt)
         self.down_proj = Linear(size, cfg.hidden_size, bias=cfg.mlp_bias, fmt=fmt)
 
-    def forward(self, x: torch.Tensor, *, norm: RMSNorm | None = None,
-                residual: torch.Tensor | None = None) -> torch.Tensor:
-        """The MLP of ``x``, or of ``norm(x)``; with ``residual``, added to it (in place;
-        returned)."""
-        return self.down_proj(self.gate_up_proj.silu_and_mul(x, norm=norm), residual=residual)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.gate_up_proj.silu_and_mul(x))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -105,16 +92,6 @@ class LlamaDecoderLayer(nn.Module):
         hidden = self.post_attention_layernorm.add_and_norm(residual, hidden)
         return self.mlp(hidden), residual
 
-    def forward_stream(self, positions: torch.Tensor, stream: torch.Tensor,
-                       ctx: AttentionContext) -> torch.Tensor:
-        """The same block on the residual stream itself (``stream``: the embedding plus
-        every block's output so far, updated in place and returned): each norm is taken by
-        the projection after it, and each block output is added by the projection that
-        makes it (on a GPU, in their kernels: two launches fewer a layer, the same bits)."""
-        stream = self.self_attn(positions, stream, ctx, norm=self.input_layernorm,
-                                residual=stream)
-        return self.mlp(stream, norm=self.post_attention_layernorm, residual=stream)
-
 
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ArchConfig, fmt: WeightFormat,
@@ -136,10 +113,6 @@ class LlamaModel(nn.Module):
         out = self.fused.run(hidden, positions, ctx)
         if out is not None:
             hidden, residual = out
-        elif STREAM_THROUGH_LINEARS and gpu_ops_for(hidden) is not None:
-            for layer in self.layers:
-                hidden = layer.forward_stream(positions, hidden, ctx)
-            return self.norm(hidden)
         else:
             residual = None
             for layer in self.layers:

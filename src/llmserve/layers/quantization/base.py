@@ -9,7 +9,6 @@ import torch
 from torch import nn
 
 # float16: on GPUs only (the CPU kernels read float32 and bfloat16 weights).
-NormArgs = tuple[torch.Tensor, float]  # an RMSNorm's weight and epsilon
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 INT4_GROUP_SIZES = (32, 64, 128)
 
@@ -72,21 +71,10 @@ class LinearMethod(ABC):
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """``x``: [M, in] float32 -> [M, out] float32."""
 
-    def apply_silu_and_mul(self, layer: nn.Module, x: torch.Tensor,
-                           norm: NormArgs | None = None) -> torch.Tensor | None:
-        """``silu(gate) * up`` of a fused gate/up projection ``[M, 2d]`` of ``x`` (of
-        ``rms_norm(x)`` with ``norm``), as one kernel (the product never written); None
-        where the method has no such kernel."""
-        del layer, x, norm
-        return None
-
-    def apply_fused(self, layer: nn.Module, x: torch.Tensor, norm: NormArgs | None,
-                    residual: torch.Tensor | None) -> torch.Tensor | None:
-        """``apply`` with an RMSNorm before it (``norm``: its weight and epsilon; ``x`` the
-        residual stream) and the residual add after it (``residual += product``, in place,
-        returned), in the product's own kernel; None where the method has none (the layer
-        then runs them apart)."""
-        del layer, x, norm, residual
+    def apply_silu_and_mul(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+        """``silu(gate) * up`` of a fused gate/up projection ``[M, 2d]`` of ``x``, as one
+        kernel (the product never written); None where the method has no such kernel."""
+        del layer, x
         return None
 
     def fused_kernel(self, layer: nn.Module) -> tuple | None:

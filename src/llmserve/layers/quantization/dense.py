@@ -25,7 +25,6 @@ from llmserve.csrc import cpu_ops
 from llmserve.layers.gpu_kernels import gpu_ops_for
 from llmserve.layers.quantization.base import (
     LinearMethod,
-    NormArgs,
     WeightSource,
     as_float,
     register_linear_method,
@@ -145,23 +144,10 @@ class DenseMethod(LinearMethod):
             return F.linear(x.to(weight.dtype), weight)
         return F.linear(x, _widened(weight))
 
-    def apply_silu_and_mul(self, layer: nn.Module, x: torch.Tensor,
-                           norm: NormArgs | None = None) -> torch.Tensor | None:
-        gpu = self._gpu(layer)
-        return None if gpu is None else gpu.linear_silu_and_mul(x, layer.weight, norm=norm)
-
-    def apply_fused(self, layer: nn.Module, x: torch.Tensor, norm: NormArgs | None,
-                    residual: torch.Tensor | None) -> torch.Tensor | None:
-        gpu = self._gpu(layer)
-        return None if gpu is None else gpu.linear(x, layer.weight, norm=norm,
-                                                   residual=residual)
-
-    @staticmethod
-    def _gpu(layer: nn.Module):
-        """The GPU's kernels for this layer's weight, or None (on CPU the weight may be
-        packed for the CPU kernel, and ``weight`` gone)."""
-        weight = getattr(layer, "weight", None)
-        return gpu_ops_for(weight) if weight is not None else None
+    def apply_silu_and_mul(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+        weight = getattr(layer, "weight", None)  # None: packed for the CPU kernel
+        gpu = gpu_ops_for(weight) if weight is not None else None
+        return None if gpu is None else gpu.linear_silu_and_mul(x, weight)
 
     def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         if self._ops is not None:
