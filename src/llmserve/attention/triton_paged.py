@@ -30,8 +30,9 @@ BLOCK_M = 64  # query rows per program: BLOCK_Q tokens x the query heads of one 
 WARPS = 4  # per program of the attention kernel
 STAGES = 3  # of its key loop's software pipeline (Triton's default)
 # The key loop loads tile i + 1 before it attends tile i (``paged_attention_kernel``'s
-# PREFETCH; the same arithmetic); False leaves the loads to Triton's pipeliner. Read at
-# call time.
+# PREFETCH; the same arithmetic); False leaves the loads to Triton's pipeliner. Not for a
+# scaled (fp8) cache: its scales and dequantized values take the registers (sm_90: 254 a
+# thread, and spills). Read at call time.
 PREFETCH = True
 # The rotary and the KV store in one kernel (``triton_ops.rotary_and_store_kv``) where the
 # cache is stored as is; False: the rotary's kernel, then the store's. Read at call time.
@@ -259,7 +260,7 @@ class TritonPagedBackend:
             GROUP=group, GROUP_P=group_p, BLOCK_Q=block_q, HEAD_DIM=head_dim, HEAD_P=head_p,
             BLOCK_SIZE=kv_cache.block_size, BLOCK_N=BLOCK_N, SEGMENT=SEGMENT, SCALED=scaled,
             WINDOWED=window is not None, SPLIT=metadata.split, UPCAST=kern.INTERPRETED,
-            PREFETCH=PREFETCH, num_warps=WARPS, num_stages=STAGES, **launch)
+            PREFETCH=PREFETCH and not scaled, num_warps=WARPS, num_stages=STAGES, **launch)
         if metadata.split:
             kern.combine_segments_kernel[(num_tokens, num_heads)](
                 metadata.positions, part_m, part_l, part_acc, part_start, out, window or 0,
