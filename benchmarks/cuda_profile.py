@@ -4,13 +4,15 @@ On the 1.07B Llama shape of ``cuda_bench.py`` (random bfloat16 weights):
 
 1. for each variant (programmatic dependent launch off, the linear's warps and stages,
    the output head outside the decode graphs, split linears' parts always in programs of
-   their own, other split-K tilings, the attention kernel's keys per tile, segment, warps
-   and pipeline stages, the fused launches of a layer undone; each still batch-invariant):
+   their own, other split-K tilings, the attention kernel's keys per tile, segment, warps,
+   pipeline stages and loads a tile ahead, the fused launches of a layer undone; each still
+   batch-invariant):
    the GPU time of one decode step at batch 1 and 64 (``--sizes``; back-to-back replays of
    its CUDA graph), single-stream decode tokens/s through the engine and the prefill of
    4096 tokens;
 2. ``torch.profiler`` over a few eager decode steps of the default variant: device time by
-   kernel, summed over the step.
+   kernel, summed over the step; then over replays of its batch-1 decode graph: each
+   kernel of one replay in order, with its time and the gap before it.
 
     python benchmarks/cuda_profile.py --tokenizer .gpu/tokenizer --out out/profile.json
 
@@ -74,8 +76,9 @@ def apply_variant(v: dict) -> None:
     """Module knobs read at call or capture time: programmatic dependent launch, the linear's
     warps and stages, the head in the graphs, when a split linear sums its parts in one
     program per tile, the split-K tiling, the attention's keys per tile and segment, warps
-    and stages per program, the MLP's activation in the gate/up product, the rotary in the KV
-    store's kernel, and the decode graphs for one attention segment."""
+    and stages per program and its loads a tile ahead, the MLP's activation in the gate/up
+    product, the rotary in the KV store's kernel, and the decode graphs for one attention
+    segment."""
     triton_launch.PDL = v.get("pdl", envs.LLMSERVE_PDL)
     triton_linear.IN_ORDER_TILES = v.get("in_order_tiles", _IN_ORDER_TILES)
     triton_linear.TILES_PER_SM = v.get("tiles_per_sm", 2)
@@ -139,6 +142,10 @@ def main() -> None:
         print(name, json.dumps(row), flush=True)
         if name == "default" and round_ == 0 and not args.no_kernels:
             results["kernels"] = kernel_table(core, prompt)
+            try:
+                results["timeline"] = graph_timeline(core, len(prompt) + 128)
+            except Exception as e:  # the profiler's view of graphs differs by version
+                print(f"graph timeline: {type(e).__name__}: {e}", flush=True)
         del core
         torch.cuda.empty_cache()
     if args.out:
@@ -174,6 +181,47 @@ def kernel_table(core, prompt: list[int], steps: int = 5) -> list[dict]:
     for r in rows[:18]:
         print(f"  {r['us_per_step']:8.1f} us  {r['calls_per_step']:6.1f} calls  {r['kernel']}")
     return rows
+
+
+def graph_timeline(core, context: int, replays: int = 3) -> dict:
+    """The kernels of one replay of the batch-1 decode graph in order, as the profiler sees
+    them inside the graph: each one's device microseconds and the gap before it (from the
+    end of the one before). Prints the first layer's kernels and the totals by name."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graph = core.runner.graphs.graph(1, context)
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    kernels = sorted((e for e in prof.events() if e.device_type.name == "CUDA"
+                      and e.time_range.end > e.time_range.start),
+                     key=lambda e: e.time_range.start)
+    per_replay = len(kernels) // replays
+    if not per_replay:
+        raise RuntimeError("no kernel events recorded inside the graph")
+    last = kernels[-per_replay:]
+    rows, prev_end = [], None
+    for e in last:
+        gap = 0.0 if prev_end is None else e.time_range.start - prev_end
+        rows.append({"kernel": e.name[:60], "us": e.time_range.end - e.time_range.start,
+                     "gap_us": gap})
+        prev_end = e.time_range.end
+    span = last[-1].time_range.end - last[0].time_range.start
+    busy = sum(r["us"] for r in rows)
+    by_name: dict[str, list[float]] = {}
+    for r in rows:
+        by_name.setdefault(r["kernel"], []).append(r["us"])
+    print(f"graph replay, batch 1, {context} keys: {len(rows)} kernels, span {span:.0f} us, "
+          f"kernels busy {busy:.0f} us, gaps {sum(r['gap_us'] for r in rows):.0f} us")
+    for name, times in sorted(by_name.items(), key=lambda kv: -sum(kv[1])):
+        print(f"  {sum(times):8.1f} us  {len(times):4d} x  {name}")
+    print("  the first kernels in order (us, gap before):")
+    for r in rows[:14]:
+        print(f"    {r['us']:6.2f}  {r['gap_us']:5.2f}  {r['kernel']}")
+    return {"span_us": span, "busy_us": busy, "kernels": rows}
 
 
 if __name__ == "__main__":
