@@ -79,13 +79,12 @@ def page(browser, request):
     pg.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
     pg.set_default_timeout(20_000)
     pg.js_errors = errors
+    pg.expected_errors = ["Failed to load resource: the server responded with a status of 4"]
     yield pg
     context.close()
-    # The 401 and 400 answers the tests provoke show up as failed loads; anything else is
-    # a bug in the page.
-    unexpected = [e for e in errors
-                  if not e.startswith("Failed to load resource: the server responded with a "
-                                      "status of 4")]
+    # The 401 and 400 answers the tests provoke show up as failed loads (and what a test
+    # adds to expected_errors); anything else is a bug in the page.
+    unexpected = [e for e in errors if not e.startswith(tuple(pg.expected_errors))]
     assert not unexpected, f"errors in the page: {unexpected}"
 
 
@@ -283,10 +282,106 @@ def test_streams_with_crlf_lines_and_streams_cut_short(page, open_server, ending
     wait_answered(page)
     assert last_answer(page).locator(".text").inner_text() == "Hello, world"
     alerts = last_answer(page).get_by_role("alert")
+    stats = last_answer(page).locator(".stats").inner_text()
     if complete:
         assert alerts.count() == 0
-    else:
+    else:  # no usage came: the pieces are counted, a lower bound, and said so
         assert "closed before the answer was complete" in alerts.inner_text()
+        assert "≥ 2 tokens" in stats, stats
+
+
+def test_a_long_answer_ends_above_the_composer(page, open_server):
+    """The composer stays pinned to the window's bottom: a long answer scrolls so that its
+    end, its figures and its buttons show above it, not under it."""
+    page.goto(open_server.url)
+    page.locator("#panel-chat").wait_for(state="visible")
+    lines = [f"Line {i} of a long answer." for i in range(120)]
+    body = "".join("data: " + json.dumps({"choices": [{"index": 0, "delta": {
+        "content": line + "\n"}, "finish_reason": None}]}) + "\n\n" for line in lines)
+    body += "data: [DONE]\n\n"
+    page.route("**/v1/chat/completions", lambda route: route.fulfill(
+        status=200, headers={"Content-Type": "text/event-stream"}, body=body))
+    send(page, "A long one")
+    wait_answered(page)
+    covered = page.evaluate("""() => {
+        const composer = document.getElementById('composer').getBoundingClientRect();
+        const answer = [...document.querySelectorAll('.message.assistant')].pop();
+        const out = [];
+        for (const el of [answer.querySelector('.stats'), answer.querySelector('.regenerate')]) {
+            const r = el.getBoundingClientRect();
+            if (r.bottom > composer.top || r.bottom > window.innerHeight) out.push(el.className);
+        }
+        return out;
+    }""")
+    assert covered == []
+    shot(page, "long-answer")
+
+
+def test_the_dashboard_says_when_the_server_stops_answering(page, open_server):
+    page.goto(open_server.url)
+    page.get_by_role("tab", name="Dashboard").click()
+    page.locator('[data-chart="tokens"]').wait_for()
+    page.wait_for_function("() => !document.querySelector('#tiles').classList.contains('stale')")
+    page.expected_errors.append("Failed to load resource: net::ERR_FAILED")
+    page.route("**/metrics", lambda route: route.abort())  # the server went away
+    outage = page.locator("#dash-outage")
+    outage.wait_for(state="visible")
+    assert "No metrics since" in outage.inner_text()
+    assert "could not be reached" in outage.inner_text()
+    assert "stale" in page.locator("#tiles").get_attribute("class")
+    shot(page, "dashboard-outage")
+    page.unroute("**/metrics")  # back
+    outage.wait_for(state="hidden")
+    assert "stale" not in page.locator("#tiles").get_attribute("class")
+
+
+def test_a_server_that_cannot_answer_yet_is_not_a_sign_in(page, open_server):
+    """A 503 (draining, starting) on the first load: a notice, retried; no key form."""
+    served: list[int] = []
+
+    def once(route) -> None:
+        if served:
+            route.continue_()
+            return
+        served.append(503)
+        route.fulfill(status=503, headers={"Retry-After": "5",
+                                           "Content-Type": "application/json"},
+                      body=json.dumps({"error": {"message": "the server is draining",
+                                                 "type": "service_unavailable"}}))
+
+    page.expected_errors.append("Failed to load resource: the server responded with a "
+                                "status of 503")
+    page.route("**/console/api/info", once)
+    page.goto(open_server.url)
+    notice = page.locator("#unavailable")
+    notice.wait_for(state="visible")
+    assert "the server is draining" in notice.inner_text()
+    assert page.locator("#signin").is_hidden() and page.locator(".tabs").is_hidden()
+    page.locator("#panel-chat").wait_for(state="visible", timeout=10_000)  # the retry
+    assert notice.is_hidden()
+
+
+def test_a_key_with_a_character_no_header_can_carry_is_refused_in_words(page, keyed_server):
+    sent: list[str] = []
+    page.on("request", lambda r: sent.append(r.url) if "console/api/info" in r.url else None)
+    page.goto(keyed_server.url)
+    page.get_by_label("API key").wait_for()
+    before = len(sent)
+    page.get_by_label("API key").fill(API_KEY + "\u200b")  # pasted with a zero-width space
+    page.get_by_role("button", name="Sign in").click()
+    error = page.locator("#signin-error")
+    page.wait_for_function("() => document.getElementById('signin-error').textContent")
+    assert "U+200B" in error.inner_text()
+    assert len(sent) == before  # nothing sent, no retry loop
+    sign_in(page, keyed_server)  # the right key still works
+
+
+def test_console_urls_and_files_a_browser_fetches(keyed_server):
+    r = httpx.get(f"{keyed_server.url}/console/", follow_redirects=False)
+    assert r.status_code == 307 and r.headers["location"].endswith("/console")
+    js = httpx.get(f"{keyed_server.url}/console/static/console.js")
+    assert js.status_code == 200 and js.headers["cache-control"] == "no-cache"
+    assert js.headers["x-content-type-options"] == "nosniff"
 
 
 def test_the_page_allows_only_its_own_scripts(keyed_server):
@@ -356,7 +451,8 @@ def test_the_model_card(page, keyed_server):
     assert rows["Architecture"] == info["architecture"]
     assert rows["Context window"] == "1,024 tokens"
     assert rows["Weight format"] == info["weight_format"]
-    assert rows["KV capacity"] == f"{info['kv_capacity_tokens']:,} tokens in one sequence"
+    assert rows["KV capacity"] == (f"{info['kv_capacity_tokens']:,} tokens, all sequences "
+                                   "together")
     assert float(rows["Full-context sequences that fit"].replace(",", "")) == pytest.approx(
         info["kv_capacity_tokens"] / 1024, abs=0.06)
     assert rows["Cost per hour"] == "$2.5"

@@ -40,7 +40,9 @@ logger = get_logger(__name__)
 
 # Paths open without a key: probes, the scraper, and the console's page and static files
 # (which hold no secret; everything the console reads needs the key).
-OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/", "/console", "/favicon.ico"})
+# "/console/": its redirect to "/console" (a browser's typed URL) needs no key either.
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/", "/console", "/console/",
+                        "/favicon.ico"})
 OPEN_PREFIXES = ("/console/static/",)
 # What a key's limits apply to.
 LIMITED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI
-from fastapi.responses import FileResponse, JSONResponse
+from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 
 STATIC_DIR = Path(__file__).with_name("console_static")
@@ -51,4 +51,16 @@ def mount_console(app: FastAPI, info: Callable[[], dict[str, Any]]) -> None:
         capacity), whether a key is required, and the configured cost per hour."""
         return JSONResponse(info(), headers=_NO_CACHE)
 
-    app.mount("/console/static", StaticFiles(directory=STATIC_DIR), name="console-static")
+    app.mount("/console/static", _RevalidatedFiles(directory=STATIC_DIR),
+              name="console-static")
+
+
+class _RevalidatedFiles(StaticFiles):
+    """Static files that browsers revalidate (ETag, Last-Modified) before each use: without
+    ``Cache-Control`` a browser may keep a script by guesswork from its date, and run an
+    old one beside a new page after an upgrade."""
+
+    def file_response(self, *args: Any, **kwargs: Any) -> Response:
+        response = super().file_response(*args, **kwargs)
+        response.headers.update({**_NO_CACHE, "X-Content-Type-Options": "nosniff"})
+        return response

@@ -23,6 +23,15 @@ export function setApiKey(key) {
   else sessionStorage.removeItem(KEY);
 }
 
+// A description of the first character of ``key`` that an HTTP header cannot carry (the
+// browser refuses to send it), or "" when there is none. Keys are printable ASCII.
+export function badKeyCharacter(key) {
+  const bad = [...key].find((c) => c < "!" || c > "~");
+  if (bad === undefined) return "";
+  const code = bad.codePointAt(0).toString(16).toUpperCase().padStart(4, "0");
+  return bad === " " ? "a space" : `the character U+${code}`;
+}
+
 export function headers(extra = {}) {
   const key = apiKey();
   return key ? { ...extra, Authorization: `Bearer ${key}` } : { ...extra };
@@ -41,18 +50,30 @@ export async function errorOf(response) {
   } catch (_) { /* not JSON */ }
   if (response.status === 401) return new AuthError(message);
   const retry = response.headers.get("Retry-After");
-  if (retry) message += ` (retry after ${retry} s)`;
+  // The wait, unless the server's message says it already ("try again in 30 s").
+  if (retry && !/try again|retry/i.test(message)) message += ` (retry after ${retry} s)`;
   return new APIError(response.status, message, code);
 }
 
+// fetch, with the browser's bare "Failed to fetch" (no answer at all: the server is down
+// or unreachable) said in words; a Stop (AbortError) passes through.
+async function request(path, options) {
+  try {
+    return await fetch(path, options);
+  } catch (e) {
+    if (e.name === "AbortError") throw e;
+    throw new Error(`the server could not be reached (${e.message})`);
+  }
+}
+
 export async function getJSON(path) {
-  const response = await fetch(path, { headers: headers(), cache: "no-store" });
+  const response = await request(path, { headers: headers(), cache: "no-store" });
   if (!response.ok) throw await errorOf(response);
   return response.json();
 }
 
 export async function getText(path) {
-  const response = await fetch(path, { headers: headers(), cache: "no-store" });
+  const response = await request(path, { headers: headers(), cache: "no-store" });
   if (!response.ok) throw await errorOf(response);
   return response.text();
 }
@@ -61,7 +82,7 @@ export async function getText(path) {
 // returns at [DONE]. A stream that closes without [DONE] (a proxy's timeout, a server that
 // went away) throws: the answer is cut, not complete.
 export async function postStream(path, body, onEvent, signal) {
-  const response = await fetch(path, {
+  const response = await request(path, {
     method: "POST",
     headers: headers({ "Content-Type": "application/json", Accept: "text/event-stream" }),
     body: JSON.stringify(body),

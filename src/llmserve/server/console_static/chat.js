@@ -25,6 +25,7 @@ export class Chat {
     // Enter sends (Shift+Enter: a new line); on touch screens, whose keyboards have no
     // Shift+Enter, Enter is a new line and the Send button sends.
     const touch = window.matchMedia("(pointer: coarse)").matches;
+    if (touch) this.prompt.placeholder = "Send a message (the Send button sends)";
     this.prompt.addEventListener("keydown", (e) => {
       if (e.key === "Enter" && !e.shiftKey && !e.isComposing && !touch) {
         e.preventDefault();
@@ -88,8 +89,15 @@ export class Chat {
     body.textContent = text;
     item.append(who, body);
     this.list.append(item);
-    item.scrollIntoView({ block: "end" });
+    this.reveal(item);
     return item;
+  }
+
+  // Scrolls the end of ``item`` into view above the composer, which stays pinned to the
+  // bottom of the window over the messages.
+  reveal(item) {
+    item.style.scrollMarginBottom = `${this.$("composer").offsetHeight + 8}px`;
+    item.scrollIntoView({ block: "end" });
   }
 
   sampling() {
@@ -130,6 +138,7 @@ export class Chat {
     let first = null;
     let last = null;
     let content = "";
+    let pieces = 0; // content deltas received
     let usage = null;
     let finish = null;
     let failure = null;
@@ -152,8 +161,9 @@ export class Chat {
             last = performance.now();
             if (first === null) first = last;
             content += delta;
+            pieces += 1;
             text.textContent = content;
-            item.scrollIntoView({ block: "end" });
+            this.reveal(item);
           }
           if (choice.finish_reason) finish = choice.finish_reason;
         }
@@ -192,18 +202,22 @@ export class Chat {
       if (bubbles.length) bubbles[bubbles.length - 1].remove();
       if (!this.prompt.value.trim()) this.prompt.value = question.content;
     }
-    const tokens = usage ? usage.completion_tokens : null;
+    // A cut stream has no usage: its pieces are counted instead (a piece may hold more
+    // than one token, so that count is a lower bound, and says so).
+    const tokens = usage ? usage.completion_tokens : (pieces || null);
     const parts = [];
     if (first !== null) parts.push(`TTFT ${fmt.millis((first - started) / 1000)}`);
     if (tokens !== null && tokens > 1 && last > first) {
-      parts.push(`${fmt.number((tokens - 1) / ((last - first) / 1000))} tokens/s`);
+      const rate = fmt.number((tokens - 1) / ((last - first) / 1000));
+      parts.push(usage ? `${rate} tokens/s` : `≥ ${rate} tokens/s`);
     }
-    if (tokens !== null) parts.push(`${tokens} tokens`);
+    if (tokens !== null) parts.push(usage ? `${tokens} tokens` : `≥ ${tokens} tokens`);
     if (finish) parts.push(finish === "length" ? "stopped at max tokens" : finish);
     stats.textContent = parts.join(" · ");
     stats.title = "TTFT: from sending to the first token; tokens/s: decode rate after it";
     this.announcer.textContent = failure ? `Error: ${failure}` : `Model: ${content}`;
     if (content) this.addActions(item, content);
+    this.reveal(item);
     this.prompt.focus();
   }
 

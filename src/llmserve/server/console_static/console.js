@@ -1,6 +1,6 @@
 // The console's shell: sign-in when the server requires a key, the tabs, the model card.
 
-import { AuthError, getJSON, setApiKey, apiKey } from "./api.js";
+import { AuthError, getJSON, setApiKey, apiKey, badKeyCharacter } from "./api.js";
 import { Chat } from "./chat.js";
 import { Dashboard } from "./dashboard.js";
 import * as fmt from "./format.js";
@@ -10,6 +10,7 @@ const TABS = ["chat", "dashboard", "model"];
 
 let chat;
 let dashboard;
+let retry = null; // the timer of the next try to load, while the server does not answer
 
 function selectTab(name, focus = false) {
   for (const tab of TABS) {
@@ -53,7 +54,7 @@ function showCard(info) {
       && `${info.kv_cache_dtype}, blocks of ${info.kv_block_size} tokens`],
     ["KV bytes per token", info.kv_bytes_per_token && fmt.bytes(info.kv_bytes_per_token)],
     ["KV capacity", info.kv_capacity_tokens
-      && `${fmt.integer(info.kv_capacity_tokens)} tokens in one sequence`],
+      && `${fmt.integer(info.kv_capacity_tokens)} tokens, all sequences together`],
     ["KV per full-context sequence", info.kv_bytes_per_sequence
       && fmt.bytes(info.kv_bytes_per_sequence)],
     ["Full-context sequences that fit", fmt.number(info.full_context_sequences)],
@@ -75,16 +76,33 @@ function showCard(info) {
   document.title = `${info.model} · llmserve`;
 }
 
-function showSignIn(message = "") {
-  $("signin").hidden = false;
+// Only the sign-in form, or only the notice that the server is unavailable: the tabs and
+// panels are hidden until the model card loads.
+function hideConsole() {
   for (const tab of TABS) $(`panel-${tab}`).hidden = true;
   document.querySelector(".tabs").hidden = true;
   $("sign-out").hidden = true;
+}
+
+function showSignIn(message = "") {
+  $("unavailable").hidden = true;
+  $("signin").hidden = false;
+  hideConsole();
   $("signin-error").textContent = message;
   $("api-key").focus();
 }
 
+function showUnavailable(message) {
+  $("signin").hidden = true;
+  hideConsole();
+  const notice = $("unavailable");
+  notice.hidden = false;
+  notice.textContent = `The server is not available: ${message}. Trying again every 3 s.`;
+}
+
 async function load() {
+  clearTimeout(retry); // one chain of tries, however many sign-ins start one
+  retry = null;
   let info;
   try {
     info = await getJSON("console/api/info");
@@ -92,13 +110,13 @@ async function load() {
     if (e instanceof AuthError) {
       showSignIn(apiKey() ? "That key was not accepted: it is wrong or was revoked." : "");
     } else {
-      $("signin").hidden = false;
-      $("signin-error").textContent = `The server did not answer: ${e.message}`;
-      setTimeout(load, 3000);
+      showUnavailable(e.message);
+      retry = setTimeout(load, 3000);
     }
     return;
   }
   $("signin").hidden = true;
+  $("unavailable").hidden = true;
   document.querySelector(".tabs").hidden = false;
   $("sign-out").hidden = !info.auth_required;
   showCard(info);
@@ -113,11 +131,18 @@ function main() {
   chat = new Chat($("panel-chat"), {
     onAuthError: () => { setApiKey(""); showSignIn("The key was refused; sign in again."); },
   });
-  dashboard = new Dashboard({ charts: $("charts"), tiles: $("tiles"), status: $("dash-status") });
+  dashboard = new Dashboard({ charts: $("charts"), tiles: $("tiles"), status: $("dash-status"),
+    outage: $("dash-outage") });
   setUpTabs();
   $("signin-form").addEventListener("submit", (e) => {
     e.preventDefault();
     const key = $("api-key").value.trim();
+    const bad = badKeyCharacter(key);
+    if (bad) {
+      showSignIn(`That key holds ${bad}, which an HTTP header cannot carry (pasted with `
+        + "the key, perhaps): enter the key alone.");
+      return;
+    }
     $("api-key").value = "";
     setApiKey(key);
     load();
@@ -125,8 +150,12 @@ function main() {
   $("sign-out").addEventListener("click", () => {
     setApiKey("");
     chat.clear();
+    dashboard.stop();
+    $("model-name").textContent = "";
+    document.title = "llmserve";
     showSignIn();
   });
+  if (badKeyCharacter(apiKey())) setApiKey(""); // stored by an older page: sign in again
   load();
 }
 

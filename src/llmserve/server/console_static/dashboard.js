@@ -113,10 +113,12 @@ const TILES = [
 const PALETTE = ["#2563eb", "#dc2626", "#16a34a", "#d97706", "#7c3aed", "#0891b2", "#be185d"];
 
 export class Dashboard {
-  constructor({ charts, tiles, status }) {
+  constructor({ charts, tiles, status, outage }) {
     this.chartsEl = charts;
     this.tilesEl = tiles;
     this.statusEl = status;
+    this.outageEl = outage; // shown while /metrics does not answer
+    this.outageSince = null;
     this.readings = []; // {t, samples}, the last PERCENTILE_WINDOW_S and a little more
     this.points = []; // derived, the last HISTORY_S
     this.charts = new Map(); // id -> {plot, el, key}
@@ -161,6 +163,11 @@ export class Dashboard {
     }
   }
 
+  stop() {
+    clearInterval(this.timer);
+    this.timer = null;
+  }
+
   show() {
     this.visible = true;
     this.render();
@@ -187,10 +194,16 @@ export class Dashboard {
     try {
       text = await getText("metrics");
     } catch (e) {
-      this.statusEl.textContent = `Metrics unavailable: ${e.message}`;
+      this.markOutage(e);
       return;
     } finally {
       this.polling = false;
+    }
+    if (this.outageSince !== null) { // back: the rates start again from this reading
+      this.outageSince = null;
+      this.readings = [];
+      this.outageEl.hidden = true;
+      this.tilesEl.classList.remove("stale");
     }
     // t: seconds on a clock that never jumps (rates); wall: what the plot's axis shows.
     const now = { t: performance.now() / 1000, wall: Date.now() / 1000, samples: parse(text) };
@@ -210,10 +223,25 @@ export class Dashboard {
     if (this.visible) this.render();
   }
 
+  // No reading: the tiles keep the last figures, greyed and said to be old, and the charts
+  // get a gap rather than a line drawn across the outage.
+  markOutage(error) {
+    if (this.outageSince === null) {
+      this.outageSince = new Date();
+      this.points.push({ t: performance.now() / 1000, wall: Date.now() / 1000, gap: true });
+      if (this.visible) this.render();
+    }
+    this.tilesEl.classList.add("stale");
+    this.outageEl.hidden = false;
+    this.outageEl.textContent = "No metrics since "
+      + `${this.outageSince.toLocaleTimeString()}: ${error.message}. The figures below are `
+      + "the last the server gave.";
+  }
+
   seriesOf(chart) {
     if (chart.series) return chart.series;
     const statuses = new Set();
-    for (const p of this.points) for (const s of Object.keys(p.errors)) statuses.add(s);
+    for (const p of this.points) for (const s of Object.keys(p.errors || {})) statuses.add(s);
     const sorted = [...statuses].sort();
     const all = ["all errors", (p) => Object.values(p.errors).reduce((a, b) => a + b, 0)];
     return [all, ...sorted.map((s) => [s, (p) => p.errors[s] ?? 0])];
@@ -225,7 +253,8 @@ export class Dashboard {
     for (const chart of CHARTS) {
       const series = this.seriesOf(chart);
       const key = series.map(([label]) => label).join("|");
-      const data = [xs, ...series.map(([, value]) => this.points.map(value))];
+      const data = [xs, ...series.map(([, value]) => this.points.map(
+        (p) => (p.gap ? null : value(p))))];
       let entry = this.charts.get(chart.id);
       if (entry && entry.key !== key) {
         entry.plot.destroy();
@@ -260,7 +289,8 @@ export class Dashboard {
       width: widthOf(el),
       height: 190,
       scales: { x: { time: true }, y: { range: (u, min, max) => [Math.min(0, min), max > 0 ? max * 1.1 : 1] } },
-      axes: [axis, { ...axis, size: 56, values: (u, splits) => splits.map(tick) }],
+      axes: [{ ...axis, space: 70, values: (u, splits) => splits.map(clock) },
+        { ...axis, size: 56, values: (u, splits) => splits.map(tick) }],
       series: [{}, ...series.map(([label], i) => ({
         label, stroke: PALETTE[i % PALETTE.length], width: 2, spanGaps: false,
       }))],
@@ -285,6 +315,13 @@ function tick(v) {
   if (v === null || v === undefined) return "";
   if (Math.abs(v) >= 1000) return fmt.count(v);
   return String(Number(v.toPrecision(3)));
+}
+
+// Time ticks as the clock reads (uPlot's default adds the date at some ticks, and the
+// labels then overlap).
+function clock(v) {
+  return new Date(v * 1000).toLocaleTimeString([], { hour: "2-digit", minute: "2-digit",
+    second: "2-digit" });
 }
 
 // The plot fills its grid cell (less the figure's padding).
