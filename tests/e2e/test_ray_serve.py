@@ -11,6 +11,7 @@ import asyncio
 import os
 import random
 import signal
+import threading
 import time
 
 import httpx
@@ -99,6 +100,50 @@ def test_cli_replicas_serve_and_drain_on_sigterm(tiny_path, tmp_path):
         assert r.usage.completion_tokens == 5
     finally:
         assert server.stop() == 0
+
+
+def test_cli_replicas_drain_as_the_single_server_does(tiny_path, tmp_path):
+    """SIGTERM: new requests get the single server's 503 (shutting down; not Ray's 404 for
+    a deleted route) while the running ones go on; a second SIGTERM ends them with the
+    final error event and [DONE], and the exit code is still 0."""
+    server = start_server(tiny_path, tmp_path, "--replicas", "2", "--no-database",
+                          "--max-num-seqs", "1", "--shutdown-timeout", "120",
+                          name="ray-drain")
+    streams: list[list[str]] = [[] for _ in range(4)]
+
+    def stream(lines: list[str]) -> None:
+        with httpx.stream("POST", f"{server.url}/v1/completions", timeout=120, json={
+                "prompt": "drain", "max_tokens": 1000, "ignore_eos": True,
+                "stream": True}) as r:
+            lines.extend(line for line in r.iter_lines() if line)
+
+    workers = [threading.Thread(target=stream, args=(lines,)) for lines in streams]
+    try:
+        for w in workers:
+            w.start()
+        while not any(streams):
+            time.sleep(0.05)
+        server.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while True:  # the ingress marks the drain within a moment
+            r = httpx.post(f"{server.url}/v1/completions", timeout=10,
+                           json={"prompt": "late", "max_tokens": 2})
+            if r.status_code != 200 or time.monotonic() > deadline:
+                break
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["code"] == "shutting_down"
+        assert r.headers["retry-after"] == "5"
+        assert httpx.get(f"{server.url}/ready", timeout=10).status_code == 503
+        server.proc.send_signal(signal.SIGTERM)  # the second: end them now
+        for w in workers:
+            w.join(60)
+        assert server.proc.wait(60) == 0
+    finally:
+        server.stop()
+    ended = [lines for lines in streams if "shutting down" in "".join(lines)]
+    assert ended, "no stream was still running at the second signal"
+    for lines in streams:
+        assert lines[-1] == "data: [DONE]", lines[-2:]
 
 
 def test_cli_on_an_existing_cluster_leaves_it_running(cluster, tiny_path, tmp_path):
@@ -192,8 +237,27 @@ def test_two_replicas_serve_the_single_servers_api(cluster, tiny_path):
         # the replicas are full (Ray's documented behaviour; the replicas' own admission is
         # exact, tests/e2e/test_errors.py).
         assert set(codes) == {200, 429} and codes.count(200) >= 2, answers
+        # The refusals are counted, and say what happened in the server's words.
+        refused = codes.count(429)
+        rejected = sum(v for k, v in _metric_by_replica_or_not(
+            url, 'llmserve:request_rejected_total').items() if "queue_full" in k)
+        assert rejected >= refused, (rejected, refused)
+        assert not any("Error" in message for _, message in answers), answers
+        # The prefix cache is per replica: refused, with its own code.
+        r = httpx.post(f"{url}/reset_prefix_cache", headers={"Authorization": "Bearer sk-ray"})
+        assert r.status_code == 409 and r.json()["error"]["code"] == "per_replica"
     finally:
         serve.delete(app)
+
+
+def _metric_by_replica_or_not(url: str, name: str) -> dict[str, float]:
+    """``name``'s samples by their label sets (the ingress's own have no replica label)."""
+    out: dict[str, float] = {}
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + "{"):
+            labels, value = line.rsplit(" ", 1)
+            out[labels] = out.get(labels, 0.0) + float(value)
+    return out
 
 
 def test_a_dead_replica_costs_only_the_requests_streaming_from_it(cluster, tiny_path):

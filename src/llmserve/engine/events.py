@@ -25,7 +25,12 @@ class QueueFullError(Exception):
 
 
 class EngineBusyError(Exception):
-    """The engine has requests in flight and cannot do what was asked until it is idle."""
+    """The engine cannot do what was asked now (``code``: why; "requests_running": it has
+    requests in flight, and can once it is idle)."""
+
+    def __init__(self, message: str, code: str = "requests_running") -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class EngineUnavailableError(Exception):

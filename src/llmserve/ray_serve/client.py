@@ -67,6 +67,7 @@ class RayEngineClient:
         self.status = "starting"
         self.last_failure: str | None = None
         self.on_fatal = None
+        self.stats: Any = None  # the ingress's metrics: the router's refusals are its own
         self._open: dict[str, RayRequestStream] = {}
         self._ids = itertools.count()
 
@@ -143,7 +144,8 @@ class RayEngineClient:
 
     async def reset_prefix_cache(self, timeout: float = 30.0) -> str:
         raise EngineBusyError("the prefix cache is per replica: with --replicas, reset it by "
-                              "restarting the replicas (or run a single server)")
+                              "restarting the replicas (or run a single server)",
+                              code="per_replica")
 
 
 class RayRequestStream:
@@ -206,8 +208,12 @@ class RayRequestStream:
                                "sending it again", self.request_id, _cause(e))
                 continue
             except BackPressureError as e:  # every replica busy and Ray's queue full
-                raise QueueFullError(f"the server is at capacity ({_cause(e)}); retry later",
-                                     5) from None
+                queued = int(getattr(e, "num_queued_requests", 0) or 0)
+                if self.client.stats is not None:
+                    self.client.stats.on_rejected("queue_full")
+                raise QueueFullError(
+                    f"the server is at capacity: every replica is busy and {queued} requests "
+                    "wait for one; retry later", max(1, min(30, queued // 8))) from None
             except StopAsyncIteration:
                 raise EngineUnavailableError("a replica ended the request without an "
                                              "answer") from None

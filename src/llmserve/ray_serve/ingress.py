@@ -8,6 +8,7 @@ is the single server's, byte for byte; only /metrics adds a ``replica`` label.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from llmserve.config import EngineConfig, ServerConfig
@@ -30,6 +31,7 @@ class Ingress:
         await self.engine.start()  # also creates the handle's router, which holds reports
         self.state = ServerState()
         self.metrics = ClusterMetrics(model_name, replica_reports)
+        self.engine.stats = self.metrics  # the router's own refusals (429) are counted here
         # (Ray's wrapper owns the name "app".)
         self.http_app = build_app(self.engine, config, self.metrics,  # type: ignore[arg-type]
                                   self.state, model_name, open_accounts(config))
@@ -40,6 +42,26 @@ class Ingress:
 
     def __serve_build_asgi_app__(self) -> Any:
         return self.http_app
+
+    # The launcher's drain, called through the application's handle before the application
+    # is deleted (Ray's proxy drops the route at deletion: the app must say 503 first).
+    def begin_drain(self) -> int:
+        """New requests get 503 (shutting down), /ready says draining; returns how many
+        requests are running."""
+        self.state.draining = True
+        return self.engine.num_unfinished
+
+    def unfinished(self) -> int:
+        return self.engine.num_unfinished
+
+    async def end_requests(self) -> int:
+        """End what still runs with the single server's final error (shutting down), and
+        give the final events a moment to reach their clients."""
+        left = self.engine.num_unfinished
+        if left:
+            self.engine.abort_all("shutdown", "the server is shutting down")
+            await asyncio.sleep(0.3)
+        return left
 
     async def __del__(self) -> None:
         app = getattr(self, "http_app", None)

@@ -5,10 +5,11 @@ share of CPUs or a GPU as Ray resources, each loading the model once) and ``Ingr
 HTTP app, no CPU reserved). Ray Serve's HTTP proxy listens on --host/--port. Ray, not
 llmserve, places, health-checks, restarts and drains replicas.
 
-The first SIGTERM (or Ctrl-C) drains: the application is deleted, which lets every
-replica finish its requests for up to --shutdown-timeout seconds before it stops; then
-Serve and (if this process started it) the local Ray cluster shut down, and the exit code
-is 0.
+The first SIGTERM (or Ctrl-C) drains as the single server does, through the ingress: new
+requests get 503 while the running ones finish, for up to --shutdown-timeout seconds (a
+second signal ends the drain at once); what is left ends with a final error event. Then
+the application is deleted, Serve and (if this process started it) the local Ray cluster
+shut down, and the exit code is 0.
 """
 
 from __future__ import annotations
@@ -135,13 +136,38 @@ def start(engine_config: EngineConfig, config: ServerConfig,
                 ray_config.router, time.monotonic() - began)
 
 
+def drain(ray_config: RayServeConfig, timeout: float, hurry: threading.Event) -> None:
+    """The single server's drain, by the ingress: new requests get 503 (shutting down)
+    while the running ones finish, for up to ``timeout`` seconds or until ``hurry`` (a
+    second signal); what is left then ends with the final error event "the server is
+    shutting down". The application is deleted only after this, since Ray's proxy answers
+    404 for a deleted application's routes."""
+    from ray import serve
+
+    try:
+        ingress = serve.get_app_handle(ray_config.app_name)
+        running = ingress.begin_drain.remote().result(timeout_s=30)
+        logger.info("shutdown requested: draining %d requests (up to %.0f s; a second "
+                    "signal ends the drain now)", running, timeout)
+        deadline = time.monotonic() + timeout
+        while (running and time.monotonic() < deadline and not hurry.is_set()):
+            hurry.wait(0.25)
+            running = ingress.unfinished.remote().result(timeout_s=30)
+        if running:
+            ended = ingress.end_requests.remote().result(timeout_s=30)
+            logger.info("ended %d requests with an error", ended)
+    except Exception as e:  # the application is gone or broken: deletion still follows
+        logger.warning("draining through the ingress failed (%s: %s); deleting the "
+                       "application", type(e).__name__, e)
+
+
 def stop(ray_config: RayServeConfig) -> None:
-    """Drain and remove the application; then stop Serve and the local Ray cluster if this
-    process started them (an existing cluster keeps its other applications)."""
+    """Remove the application; then stop Serve and the local Ray cluster if this process
+    started them (an existing cluster keeps its other applications)."""
     import ray
     from ray import serve
 
-    serve.delete(ray_config.app_name)  # waits while replicas finish their requests
+    serve.delete(ray_config.app_name)  # replicas finish what they still hold, then stop
     if ray_config.address is None:
         serve.shutdown()
     ray.shutdown()  # a local cluster stops; a connection to an existing one closes
@@ -163,12 +189,13 @@ def _connect(ray_config: RayServeConfig) -> None:
 def serve_on_ray(engine_config: EngineConfig, config: ServerConfig,
                  ray_config: RayServeConfig) -> int:
     stop_requested = threading.Event()
+    hurry = threading.Event()  # a second signal: end the drain now, still cleanly
 
     def on_signal(sig: int, frame: Any) -> None:
         if stop_requested.is_set():
-            logger.info("second signal: stopping now")
-            raise KeyboardInterrupt
-        logger.info("shutdown requested: draining (up to %.0f s)", config.shutdown_timeout)
+            logger.info("second signal: ending the running requests now")
+            hurry.set()
+            return
         stop_requested.set()
 
     # Ray installs its own SIGTERM handler when it starts; ours replaces it, and it is in
@@ -178,6 +205,7 @@ def serve_on_ray(engine_config: EngineConfig, config: ServerConfig,
     try:
         start(engine_config, config, ray_config)
         stop_requested.wait()
+        drain(ray_config, config.shutdown_timeout, hurry)
         stop(ray_config)
     finally:
         for s, handler in previous.items():

@@ -210,8 +210,8 @@ def build_app(engine: AsyncLLM, config: ServerConfig, metrics: ServerMetrics,
         try:
             message = await engine.reset_prefix_cache()
         except EngineBusyError as e:
-            raise APIError(409, str(e), code="requests_running",
-                           headers={"Retry-After": "1"}) from None
+            headers = {"Retry-After": "1"} if e.code == "requests_running" else None
+            raise APIError(409, str(e), code=e.code, headers=headers) from None
         except EngineUnavailableError as e:
             raise _unavailable(e) from None
         return {"status": "ok", "message": message}
