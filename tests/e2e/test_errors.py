@@ -514,6 +514,13 @@ def test_header_count_and_host_are_checked(guard_server):
     raw = _raw(guard_server, b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n" + many + b"\r\n")
     status, err, _ = _status_and_json(raw)
     assert status == 431 and err["error"]["code"] == "too_many_headers"
+    # One header of 20 KiB, the whole head in one write (h11 limits only a head in pieces)
+    big = b"X-Big: " + b"a" * 20 * 1024 + b"\r\n"
+    raw = _raw(guard_server, b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n" + big + b"\r\n")
+    status, err, _ = _status_and_json(raw)
+    assert status == 431 and err["error"]["code"] == "headers_too_large", err
+    assert httpx.get(f"{guard_server.url}/health",
+                     headers={"X-Fine": "a" * 8 * 1024}).status_code == 200
     r = httpx.get(f"{guard_server.url}/health", headers={"Host": "evil.example:80"})
     _envelope(r, 421, code="host_not_allowed")
     port = guard_server.url.rsplit(":", 1)[1]

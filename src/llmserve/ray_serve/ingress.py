@@ -28,7 +28,10 @@ class Ingress:
                        config: ServerConfig) -> None:
         model_name = config.served_model_name or engine_config.model.model
         self.engine = RayEngineClient(engine, load_tokenizer(engine_config.model.model))
-        await self.engine.start()  # also creates the handle's router, which holds reports
+        # The replicas load the model meanwhile: until one is ready the app answers 503
+        # (not ready yet), as the single server does while its engine starts; Ray's proxy
+        # has the route as soon as this constructor returns.
+        self._starting = asyncio.get_running_loop().create_task(self._start_engine())
         self.state = ServerState()
         self.metrics = ClusterMetrics(model_name, replica_reports)
         self.engine.stats = self.metrics  # the router's own refusals (429) are counted here
@@ -37,8 +40,16 @@ class Ingress:
                                   self.state, model_name, open_accounts(config))
         self.http_app.state.tokenizers.start()
         self.http_app.state.accounts.start()
-        logger.info("ingress ready: %s, max_model_len %d", model_name,
-                    self.engine.max_model_len)
+
+    async def _start_engine(self) -> None:
+        try:
+            await self.engine.start()  # also creates the handle's router, which holds reports
+        except Exception as e:
+            logger.error("the engine replicas could not be reached: %s: %s",
+                         type(e).__name__, e)
+            self.engine.status = "failed"
+            return
+        logger.info("ingress ready: max_model_len %d", self.engine.max_model_len)
 
     def __serve_build_asgi_app__(self) -> Any:
         return self.http_app

@@ -3,7 +3,8 @@
 - A request with both Content-Length and Transfer-Encoding is refused and its connection
   closed (RFC 9112 section 6.1: the framing is ambiguous, the classic request smuggling).
 - Headers: at most ``MAX_HEADERS`` of them (431), at most ``MAX_HEADER_BYTES`` in all
-  (h11's limit, set in the launcher), and they must arrive within ``header_timeout``
+  (431 here; also h11's limit on a head that arrives in pieces, set in the launcher), and
+  they must arrive within ``header_timeout``
   seconds of the first byte of a request (or of the connection): a client that trickles
   its headers (slowloris) is answered 408 and disconnected.
 - The Host header must name this server (``--allowed-hosts``; by default the loopback names
@@ -64,6 +65,13 @@ class HTTPGuard:
             return await _refuse(send, 431, f"the request has {len(headers)} header fields; "
                                  f"at most {MAX_HEADERS} are accepted",
                                  "too_many_headers", close=True)
+        # h11's limit holds only for headers that arrive in pieces: a whole head read at
+        # once passes it, whatever its size.
+        size = sum(len(k) + len(v) + 4 for k, v in headers)  # "name: value\r\n"
+        if size > MAX_HEADER_BYTES:
+            return await _refuse(send, 431, f"the request's header fields take {size} bytes; "
+                                 f"at most {MAX_HEADER_BYTES} are accepted",
+                                 "headers_too_large", close=True)
         if self.allowed is not None:
             host = _host_name(dict(headers).get(b"host", b"").decode("latin-1"))
             if host not in self.allowed:
