@@ -109,7 +109,7 @@ def test_cli_replicas_drain_as_the_single_server_does(tiny_path, tmp_path):
     server = start_server(tiny_path, tmp_path, "--replicas", "2", "--no-database",
                           "--max-num-seqs", "1", "--shutdown-timeout", "120",
                           name="ray-drain")
-    streams: list[list[str]] = [[] for _ in range(4)]
+    streams: list[list[str]] = [[] for _ in range(8)]  # 4 after another on each replica
 
     def stream(lines: list[str]) -> None:
         with httpx.stream("POST", f"{server.url}/v1/completions", timeout=120, json={
@@ -124,16 +124,18 @@ def test_cli_replicas_drain_as_the_single_server_does(tiny_path, tmp_path):
         while not any(streams):
             time.sleep(0.05)
         server.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        while True:  # the ingress marks the drain within a moment
-            r = httpx.post(f"{server.url}/v1/completions", timeout=10,
-                           json={"prompt": "late", "max_tokens": 2})
-            if r.status_code != 200 or time.monotonic() > deadline:
-                break
+        # The launcher tells the ingress within moments (a request sent before that would
+        # queue behind the streams: /ready is the probe).
+        deadline = time.monotonic() + 60
+        while (ready := httpx.get(f"{server.url}/ready", timeout=10)).status_code == 200:
+            assert time.monotonic() < deadline, "the ingress never started draining"
+            time.sleep(0.1)
+        assert ready.status_code == 503 and "draining" in ready.text, ready.text
+        r = httpx.post(f"{server.url}/v1/completions", timeout=10,
+                       json={"prompt": "late", "max_tokens": 2})
         assert r.status_code == 503, r.text
         assert r.json()["error"]["code"] == "shutting_down"
         assert r.headers["retry-after"] == "5"
-        assert httpx.get(f"{server.url}/ready", timeout=10).status_code == 503
         server.proc.send_signal(signal.SIGTERM)  # the second: end them now
         for w in workers:
             w.join(60)
