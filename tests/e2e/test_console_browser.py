@@ -565,3 +565,21 @@ def test_the_dashboards_percentiles_are_promqls(page, open_server):
         assert [(float(le), c) for le, c in value["buckets"]] == cumulative
         want = [histogram_quantile(q, cumulative) for q in (0.1, 0.5, 0.9, 0.99)]
         assert value["q"] == pytest.approx(want, rel=1e-12), name
+
+
+@pytest.mark.parametrize("message, shown", [
+    ("the waiting queue is full; retry later", "retry later (retry after 3 s)"),
+    ("tokens per minute used up; try again in 3 s", "try again in 3 s"),
+])
+def test_a_429_says_the_wait_once(page, open_server, message, shown):
+    page.goto(open_server.url)
+    page.locator("#panel-chat").wait_for(state="visible")
+    page.expected_errors.append("Failed to load resource: the server responded with a "
+                                "status of 429")
+    page.route("**/v1/chat/completions", lambda route: route.fulfill(
+        status=429, headers={"Retry-After": "3", "Content-Type": "application/json"},
+        body=json.dumps({"error": {"message": message, "type": "rate_limit_exceeded"}})))
+    send(page, "Hi")
+    wait_answered(page)
+    alert = last_answer(page).get_by_role("alert").inner_text()
+    assert alert.endswith(shown) and alert.count("3 s") == 1, alert

@@ -50,8 +50,11 @@ export async function errorOf(response) {
   } catch (_) { /* not JSON */ }
   if (response.status === 401) return new AuthError(message);
   const retry = response.headers.get("Retry-After");
-  // The wait, unless the server's message says it already ("try again in 30 s").
-  if (retry && !/try again|retry/i.test(message)) message += ` (retry after ${retry} s)`;
+  // The wait, unless the server's message gives it already ("try again in 30 s"); a bare
+  // "retry later" still gets the seconds.
+  if (retry && !/\b(in|after) \d+(\.\d+)? ?s\b/i.test(message)) {
+    message += ` (retry after ${retry} s)`;
+  }
   return new APIError(response.status, message, code);
 }
 
