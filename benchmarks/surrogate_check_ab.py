@@ -1,5 +1,6 @@
-"""The request-wide check for lone surrogates (``server/protocol.py``), an earlier version
-against this tree's, alternating in one process: milliseconds per body, best of nine.
+"""The request-wide check for lone surrogates (``server/fields.py``; ``server/protocol.py``
+before session 48), an earlier version against this tree's, alternating in one process:
+milliseconds per body, best of nine.
 
     git show 91ed7ca:src/llmserve/server/protocol.py > /tmp/old_protocol.py
     .venv/bin/python benchmarks/surrogate_check_ab.py /tmp/old_protocol.py
@@ -9,7 +10,7 @@ import importlib.util
 import sys
 import timeit
 
-from llmserve.server import protocol as new
+from llmserve.server import fields as new
 
 spec = importlib.util.spec_from_file_location("old_protocol", sys.argv[1])
 old = importlib.util.module_from_spec(spec)
@@ -23,7 +24,7 @@ for name, body in bodies.items():
     times = {"before": [], "after": []}
     for _ in range(3):
         for label, mod in (("before", old), ("after", new)):
-            check = mod._no_lone_surrogates
+            check = getattr(mod, "no_lone_surrogates", None) or mod._no_lone_surrogates
             times[label].append(min(timeit.repeat(lambda c=check, b=body: c(b),
                                                   number=1, repeat=3)) * 1e3)
     print(f"| {name} | {min(times['before']):.2f} | {min(times['after']):.2f} |")

@@ -14,94 +14,31 @@ that is valid Unicode without NUL characters, and chat content parts of type "te
 from __future__ import annotations
 
 import json
-import re
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, Field, model_validator
 
 from llmserve.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
+from llmserve.server.chat_messages import ChatMessage, FunctionDefinition, Tool, message_dicts
+from llmserve.server.fields import (
+    FieldError,
+    Priority,
+    Strict,
+    Text,
+    no_lone_surrogates,
+    valid_texts,
+)
 from llmserve.structured_output import validate_structured
 
-INT32_MAX = 2**31 - 1
-
-
-_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-class FieldError(ValueError):
-    """A request's value refused with the (dotted) parameter it is in, for the 400's
-    ``param``: raised where pydantic's own location would be the whole body."""
-
-    def __init__(self, param: str | None, message: str) -> None:
-        super().__init__(message)
-        self.param = param
-
-
-def _no_lone_surrogates(body: Any) -> Any:
-    """Refuse a lone surrogate (a JSON escape like "\\ud800" without its pair) anywhere in
-    a request body, in a key or a string at any depth: no tokenizer, chat template, grammar
-    or message to the engine can encode one. Checked once, on the raw body, so that every
-    field (a schema's property names, a tool's description, a call's arguments) is covered,
-    not only the fields of type text. Cheap on what bodies are mostly made of: ASCII text is
-    passed at C speed, lists of numbers (token ids) without a look at each."""
-    stack: list[tuple[tuple, Any]] = [((), body)]
-    while stack:  # a loop, not recursion: bodies may nest deeper than Python's stack
-        path, value = stack.pop()
-        if isinstance(value, str):
-            if not value.isascii() and (bad := _SURROGATE.search(value)) is not None:
-                raise FieldError(_dotted(path), _surrogate_message(bad, "contains"))
-        elif isinstance(value, dict):
-            for key, item in value.items():
-                if (isinstance(key, str) and not key.isascii()
-                        and (bad := _SURROGATE.search(key)) is not None):
-                    where = f" in {_dotted(path)}" if path else ""
-                    raise FieldError(_dotted(path), _surrogate_message(bad, f"a key{where} has"))
-                if isinstance(item, _NESTED):
-                    stack.append(((*path, key), item))
-        elif isinstance(value, list) and not set(map(type, value)) <= _SCALARS:
-            stack.extend(((*path, i), item) for i, item in enumerate(value)
-                         if isinstance(item, _NESTED))
-    return body
-
-
-_NESTED = (str, dict, list)
-_SCALARS = {int, float, bool, type(None)}
-
-
-def _dotted(path: tuple) -> str | None:
-    return ".".join(map(str, path)) or None
-
-
-def _surrogate_message(bad: re.Match, subject: str) -> str:
-    return (f"{subject} a lone surrogate (U+{ord(bad.group()):04X}) at character "
-            f"{bad.start()}: text must be valid Unicode")
-
-
-def _valid_text(value: str) -> str:
-    """Refuse a NUL character in text a tokenizer takes (lone surrogates are refused in the
-    whole body before the fields are read: ``_no_lone_surrogates``)."""
-    i = value.find("\x00")
-    if i >= 0:
-        raise ValueError(f"contains a NUL character (U+0000) at character {i}, which this "
-                         "server does not accept")
-    return value
-
-
-def _valid_texts(value: Any) -> Any:
-    """Check every string in a value (a string, or lists of strings and token ids)."""
-    if isinstance(value, str):
-        _valid_text(value)
-    elif isinstance(value, list):
-        for item in value:
-            if isinstance(item, str):
-                _valid_text(item)
-    return value
-
-
-Text = Annotated[str, AfterValidator(_valid_text)]
-# Ranges SamplingParams does not check itself (it checks n, top_k, seed, logprobs, ...
-# with messages that name the allowed range); token ids are checked against the vocabulary.
-Priority = Annotated[int, Field(ge=-INT32_MAX, le=INT32_MAX)]
+__all__ = [
+    "NO_EFFECT",
+    "ChatCompletionRequest",
+    "CompletionRequest",
+    "DetokenizeRequest",
+    "FieldError",
+    "TokenizeRequest",
+    "message_dicts",
+]
 
 
 # Accepted and without effect here, and why (README's table says the same).
@@ -117,16 +54,12 @@ NO_EFFECT = {
 }
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class StreamOptions(_Strict):
+class StreamOptions(Strict):
     include_usage: bool = False
     include_obfuscation: bool | None = None  # no effect: nothing pads the stream here
 
 
-class ResponseFormat(_Strict):
+class ResponseFormat(Strict):
     type: str
     json_schema: dict[str, Any] | None = None
 
@@ -153,7 +86,7 @@ class ResponseFormat(_Strict):
                          "'text', 'json_object', 'json_schema')")
 
 
-class StructuredOutputs(_Strict):
+class StructuredOutputs(Strict):
     """vLLM's ``structured_outputs`` object."""
 
     json_: dict[str, Any] | str | None = Field(None, alias="json")
@@ -169,14 +102,14 @@ class StructuredOutputs(_Strict):
                                        json_object=bool(self.json_object))
 
 
-class _SamplingFields(_Strict):
-    _valid_unicode = model_validator(mode="before")(_no_lone_surrogates)
+class _SamplingFields(Strict):
+    _valid_unicode = model_validator(mode="before")(no_lone_surrogates)
 
     model: str | None = None
     n: int = 1
     temperature: float | None = None
     top_p: float | None = None
-    stop: Annotated[str | list[str] | None, AfterValidator(_valid_texts)] = None
+    stop: Annotated[str | list[str] | None, AfterValidator(valid_texts)] = None
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -271,7 +204,7 @@ class _SamplingFields(_Strict):
 
 class CompletionRequest(_SamplingFields):
     prompt: Annotated[str | list[str] | list[int] | list[list[int]],
-                      AfterValidator(_valid_texts)]
+                      AfterValidator(valid_texts)]
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
@@ -283,120 +216,6 @@ class CompletionRequest(_SamplingFields):
         return SamplingParams(max_tokens=self.max_tokens, logprobs=self.logprobs,
                               prompt_logprobs=self.prompt_logprobs,
                               structured_outputs=self.constraint(), **self._sampling_kwargs())
-
-
-def _valid_content(content: str | list[dict[str, Any]] | None
-                   ) -> str | list[dict[str, Any]] | None:
-    """A string, or content parts of type "text" (or an assistant's "refusal": OpenAI's
-    assistant messages may carry one), each with a string."""
-    if content is None or isinstance(content, str):
-        return content if content is None else _valid_text(content)
-    for i, part in enumerate(content):
-        kind = part.get("type")
-        if kind not in _TEXT_PARTS:
-            raise ValueError(f"content part {i} has type {kind!r}: this model accepts text "
-                             "only (parts of type 'text', and an assistant's 'refusal')")
-        text = part.get(kind)
-        if not isinstance(text, str):
-            raise ValueError(f"content part {i}: {kind!r} must be a string, got "
-                             f"{type(text).__name__ if text is not None else 'null'}")
-        _valid_text(text)
-    return content
-
-
-_TEXT_PARTS = ("text", "refusal")  # a part's type, and the key of its text
-
-
-class FunctionCall(_Strict):
-    name: Text
-    arguments: str | dict[str, Any] = "{}"
-
-
-class ToolCallItem(_Strict):
-    id: str | None = None
-    type: str = "function"
-    function: FunctionCall
-
-
-class ChatMessage(_Strict):
-    role: Text
-    content: Annotated[str | list[dict[str, Any]] | None, AfterValidator(_valid_content)] = None
-    name: Text | None = None
-    tool_calls: list[ToolCallItem] | None = None  # an assistant's calls
-    tool_call_id: str | None = None  # a tool's answer: to which call
-    function_call: FunctionCall | None = None  # legacy: an assistant's one call
-    refusal: str | None = None  # no effect: an assistant's earlier refusal text
-
-    @model_validator(mode="after")
-    def _check_role(self) -> ChatMessage:
-        if self.role == "assistant":
-            return self
-        if self.content is None or self.content == []:
-            got = "null" if self.content is None else "an empty list"
-            raise ValueError(f"content: a {self.role!r} message needs content (a string or a "
-                             f"list of text parts), got {got}")
-        if self.tool_calls is not None or self.function_call is not None:
-            raise ValueError(f"tool_calls: only an assistant message has them, not a "
-                             f"{self.role!r} one")
-        if any(isinstance(p, dict) and p.get("type") == "refusal" for p in self.content):
-            raise ValueError(f"content: a 'refusal' part is an assistant's, not a "
-                             f"{self.role!r} message's")
-        return self
-
-    def text(self) -> str:
-        """The message's text: a string, its parts' texts joined by newlines (as vLLM joins
-        them), or empty."""
-        if isinstance(self.content, list):
-            return "\n".join(p[p["type"]] for p in self.content)
-        return self.content or ""
-
-
-def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """What the chat template sees: role and text of each message, an assistant's tool
-    calls (legacy function_call included) and a tool answer's call id."""
-    out = []
-    for m in messages:
-        d: dict[str, Any] = {"role": "tool" if m.role == "function" else m.role,
-                             "content": m.text()}
-        calls = list(m.tool_calls or [])
-        if m.function_call is not None:
-            calls.append(ToolCallItem(function=m.function_call))
-        if calls:
-            d["tool_calls"] = [c.model_dump(exclude_none=True) for c in calls]
-        if m.tool_call_id is not None:
-            d["tool_call_id"] = m.tool_call_id
-        if m.name is not None:
-            d["name"] = m.name
-        out.append(d)
-    return out
-
-
-_FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
-
-
-class FunctionDefinition(_Strict):
-    name: str
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None  # enforced either way when the grammar applies
-
-    @model_validator(mode="after")
-    def _check_name(self) -> FunctionDefinition:
-        if not _FUNCTION_NAME.match(self.name):
-            raise ValueError(f"function name {self.name!r} must be 1-64 letters, digits, "
-                             "underscores or dashes")
-        return self
-
-
-class Tool(_Strict):
-    type: str = "function"
-    function: FunctionDefinition
-
-    @model_validator(mode="after")
-    def _check_type(self) -> Tool:
-        if self.type != "function":
-            raise ValueError(f"tool type {self.type!r} is not supported (allowed: 'function')")
-        return self
 
 
 # Refused by name: they would change the answer and this server cannot honour them.
@@ -492,11 +311,11 @@ class ChatCompletionRequest(_SamplingFields):
                               prompt_logprobs=self.prompt_logprobs, **self._sampling_kwargs())
 
 
-class TokenizeRequest(_Strict):
+class TokenizeRequest(Strict):
     """vLLM's /tokenize: what chat would refuse (a template of the client's own...) is
     refused here too, not ignored, so that the count is always the one chat bills."""
 
-    _valid_unicode = model_validator(mode="before")(_no_lone_surrogates)
+    _valid_unicode = model_validator(mode="before")(no_lone_surrogates)
 
     model: str | None = None
     prompt: Text | None = None
@@ -509,7 +328,7 @@ class TokenizeRequest(_Strict):
     return_token_strs: bool = False  # vLLM's: each token's text too
 
 
-class DetokenizeRequest(_Strict):
+class DetokenizeRequest(Strict):
     model: str | None = None
     tokens: list[int]
 
