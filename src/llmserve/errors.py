@@ -5,5 +5,6 @@ class LLMServeError(Exception):
     """Base class for errors llmserve reports to users."""
 
 
-class ModelLoadError(LLMServeError):
-    """The model path, file or configuration cannot be used. The message names the file."""
+class ModelLoadError(LLMServeError, ValueError):
+    """The model path, file or configuration cannot be used. The message names the file.
+    A ValueError too: what the Python API raises for a bad argument."""

@@ -8,11 +8,12 @@ takes the ``gguf`` package's dequantization of those blocks.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType as QT
-from gguf import GGUFWriter, quants
+from gguf import GGUFValueType, GGUFWriter, quants
 
 from llmserve.models.gguf_loader import GGUFFile
 from llmserve.models.loader import DEFAULT_MODEL, resolve_model_path
@@ -58,8 +59,10 @@ def random_kquant(rows: int, cols: int, qtype: QT, rng: np.random.Generator) -> 
 
 
 def write_llama_gguf(hf_model, path: Path, qtype: QT, *, arch: str = "llama",
-                     seed: int = 0) -> dict[str, torch.Tensor]:
-    """Write ``hf_model`` to ``path`` with 2-D weights in ``qtype``.
+                     seed: int = 0, metadata: dict[str, Any] | None = None
+                     ) -> dict[str, torch.Tensor]:
+    """Write ``hf_model`` to ``path`` with 2-D weights in ``qtype``. ``metadata`` replaces
+    keys of the header (a value of None removes the key): a broken file on purpose.
 
     Returns the state dict the file really holds (dequantized, Hugging Face layout), to
     load into the reference model.
@@ -119,6 +122,13 @@ def write_llama_gguf(hf_model, path: Path, qtype: QT, *, arch: str = "llama",
         elif name.endswith("k_proj.weight"):
             stored = _unpermute_ref(stored, cfg.num_key_value_heads)
         held[name] = torch.from_numpy(np.array(stored, dtype=np.float32))
+    for key, value in (metadata or {}).items():
+        kv = w.kv_data[0]
+        old = kv.pop(key, None)
+        if value is not None:
+            keep = old is not None and not isinstance(value, str)  # the same width of number
+            vtype = old.type if keep else GGUFValueType.get_type(value)
+            w.add_key_value(key, value, vtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -26,7 +27,7 @@ Conversation = list[dict[str, Any]]
 class LLM:
     """Generates for many prompts at once through the continuous-batching engine."""
 
-    def __init__(self, model: str = DEFAULT_MODEL, *, device: str = "cpu",
+    def __init__(self, model: str | os.PathLike[str] = DEFAULT_MODEL, *, device: str = "cpu",
                  max_model_len: int | None = None, block_size: int | None = None,
                  kv_cache_memory: float | None = None, num_kv_blocks: int | None = None,
                  enable_prefix_caching: bool = True, max_num_batched_tokens: int = 2048,
@@ -41,6 +42,8 @@ class LLM:
         if speculative_config is not None and not isinstance(speculative_config,
                                                              SpeculativeConfig):
             speculative_config = SpeculativeConfig.from_json(speculative_config)
+        if isinstance(model, os.PathLike):
+            model = os.fspath(model)
         config = EngineConfig(
             model=ModelConfig(model=model, device=device, max_model_len=max_model_len,
                               quantization=quantization, dtype=dtype,

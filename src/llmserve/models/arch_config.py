@@ -42,6 +42,13 @@ class ArchConfig:
     eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        for name in _POSITIVE:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not self.rms_norm_eps >= 0 or not self.rope_theta > 0:  # NaN fails both
+            raise ValueError(f"rms_norm_eps ({self.rms_norm_eps}) must be >= 0 and rope_theta "
+                             f"({self.rope_theta}) > 0")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
@@ -80,24 +87,21 @@ class ArchConfig:
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> ArchConfig:
         """Read a Hugging Face config.json (already parsed)."""
-        archs = cfg.get("architectures") or []
-        if not archs:
-            raise KeyError("architectures")
-        heads = int(cfg["num_attention_heads"])
-        hidden = int(cfg["hidden_size"])
+        arch = hf_architecture(cfg)
+        heads = hf_int(cfg, "num_attention_heads")
+        hidden = hf_int(cfg, "hidden_size")
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-        arch = archs[0]
         return cls(
             architecture=arch,
-            vocab_size=int(cfg["vocab_size"]),
+            vocab_size=hf_int(cfg, "vocab_size"),
             hidden_size=hidden,
-            intermediate_size=int(cfg["intermediate_size"]),
-            num_hidden_layers=int(cfg["num_hidden_layers"]),
+            intermediate_size=hf_int(cfg, "intermediate_size"),
+            num_hidden_layers=hf_int(cfg, "num_hidden_layers"),
             num_attention_heads=heads,
-            num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            num_key_value_heads=hf_int(cfg, "num_key_value_heads", heads),
+            head_dim=hf_int(cfg, "head_dim", hidden // heads if heads > 0 else 0),
+            max_position_embeddings=hf_int(cfg, "max_position_embeddings", 4096),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=float(_rope_theta(cfg)),
             rope_scaling=_rope_scaling(cfg.get("rope_scaling") or cfg.get("rope_parameters")),
@@ -107,6 +111,40 @@ class ArchConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
+
+
+# Fields that must be at least 1 (a zero would divide by zero, or build an empty model).
+_POSITIVE = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+             "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings")
+
+
+def hf_architecture(cfg: dict[str, Any]) -> str:
+    """The first name of config.json's ``architectures`` list."""
+    archs = cfg.get("architectures")
+    if not archs:
+        raise KeyError("architectures")
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise ValueError(f"architectures must be a list of class names such as "
+                         f"[\"LlamaForCausalLM\"], got {archs!r}")
+    return archs[0]
+
+
+_MISSING = object()
+
+
+def hf_int(cfg: dict[str, Any], key: str, default: Any = _MISSING) -> int:
+    """config.json's integer ``key``; ``default`` when it is absent or null (where the field
+    is optional)."""
+    value = cfg.get(key)
+    if value is None:
+        if default is _MISSING:
+            raise ValueError(f"{key} is {'null' if key in cfg else 'missing'}: it must be an "
+                             "integer")
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float) or (
+            isinstance(value, float) and not value.is_integer()):
+        raise ValueError(f"{key} must be an integer, got {value!r}")
+    return int(value)
 
 
 def _rope_theta(cfg: dict[str, Any]) -> float:
@@ -119,6 +157,8 @@ def _rope_theta(cfg: dict[str, Any]) -> float:
 def _rope_scaling(raw: dict[str, Any] | None) -> RopeScaling:
     if not raw:
         return RopeScaling()
+    if not isinstance(raw, dict):
+        raise ValueError(f"rope_scaling must be an object, got {raw!r}")
     rope_type = raw.get("rope_type") or raw.get("type") or "default"
     if rope_type not in ("default", "linear", "llama3"):
         raise ValueError(f"unsupported rope scaling type {rope_type!r} (supported: linear, llama3)")

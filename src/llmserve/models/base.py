@@ -61,7 +61,10 @@ class CausalLM(nn.Module):
             if module is None:
                 raise ValueError(f"unexpected tensor {name!r}")
             if hasattr(module, "load_shard"):
-                module.load_shard(param_name, tensor, shard)
+                try:
+                    module.load_shard(param_name, tensor, shard)
+                except ValueError as e:
+                    raise ValueError(f"tensor {name!r}: {e}") from None
             else:
                 param = getattr(module, param_name)
                 if param.shape != tensor.shape:

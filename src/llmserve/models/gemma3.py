@@ -24,7 +24,7 @@ from llmserve.layers.norm import RMSNorm
 from llmserve.layers.quantization import WeightFormat
 from llmserve.layers.quantization.base import WeightSource
 from llmserve.layers.rotary import RotaryEmbedding
-from llmserve.models.arch_config import ArchConfig, RopeScaling, _rope_scaling
+from llmserve.models.arch_config import ArchConfig, RopeScaling, _rope_scaling, hf_int
 from llmserve.models.base import CausalLM
 from llmserve.models.llama import LlamaAttention
 
@@ -48,6 +48,9 @@ class Gemma3Config(ArchConfig):
                 SLIDING, GLOBAL}:
             raise ValueError(f"layer_types must name {self.num_hidden_layers} layers, each "
                              f"{SLIDING!r} or {GLOBAL!r}")
+        if self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be a positive integer, got "
+                             f"{self.sliding_window}")
         if self.hidden_activation not in ("gelu_pytorch_tanh", "gelu"):
             raise ValueError(f"unsupported hidden_activation {self.hidden_activation!r}")
 
@@ -94,8 +97,11 @@ class Gemma3Config(ArchConfig):
         n = base.num_hidden_layers
         types = cfg.get("layer_types")
         if not types:  # older configs: every sliding_window_pattern-th layer is global
-            pattern = int(cfg.get("sliding_window_pattern")
-                          or cfg.get("_sliding_window_pattern") or 6)
+            key = ("sliding_window_pattern" if "sliding_window_pattern" in cfg
+                   else "_sliding_window_pattern")
+            pattern = hf_int(cfg, key, 6)
+            if pattern < 1:
+                raise ValueError(f"{key} must be a positive integer, got {pattern}")
             types = [GLOBAL if (i + 1) % pattern == 0 else SLIDING for i in range(n)]
         params = cfg.get("rope_parameters") or {}
         if GLOBAL in params or SLIDING in params:  # transformers 5: per layer type
@@ -114,7 +120,7 @@ class Gemma3Config(ArchConfig):
                       tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)))
         return cls(**common,
                    query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar", 256)),
-                   sliding_window=int(cfg.get("sliding_window") or 512),
+                   sliding_window=hf_int(cfg, "sliding_window", 512),
                    layer_types=tuple(types), rope_local_theta=local_theta,
                    hidden_activation=cfg.get("hidden_activation")
                    or cfg.get("hidden_act") or "gelu_pytorch_tanh")

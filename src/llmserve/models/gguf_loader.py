@@ -65,17 +65,28 @@ class GGUFFile:
     def get(self, key: str, default: Any = None) -> Any:
         return self.metadata.get(f"{self.gguf_arch}.{key}", default)
 
+    def need(self, key: str, default: int | None = None) -> int:
+        """The integer ``<architecture>.<key>``: KeyError naming it when it is absent and
+        has no ``default``, ValueError when it is not an integer."""
+        name = f"{self.gguf_arch}.{key}"
+        value = self.metadata.get(name, default)
+        if value is None:
+            raise KeyError(name)
+        if isinstance(value, bool) or not isinstance(value, int | np.integer):
+            raise ValueError(f"{name} must be an integer, got {value!r}")
+        return int(value)
+
     def arch_config(self) -> ArchConfig:
         if self.gguf_arch not in GGUF_ARCHITECTURES:
             supported = ", ".join(sorted(GGUF_ARCHITECTURES))
             raise ModelLoadError(f"{self.path}: unsupported architecture "
                                  f"{self.gguf_arch or '(none)'!r} (supported: {supported})")
         try:
-            hidden = int(self.get("embedding_length"))
-            heads = int(self.get("attention.head_count"))
-            kv_heads = int(self.get("attention.head_count_kv", heads))
+            hidden = self.need("embedding_length")
+            heads = self.need("attention.head_count")
+            kv_heads = self.need("attention.head_count_kv", heads)
             n_vocab = self.get("vocab_size") or len(self.metadata["tokenizer.ggml.tokens"])
-            head_dim = int(self.get("attention.key_length", hidden // heads))
+            head_dim = self.need("attention.key_length", hidden // heads if heads > 0 else 0)
             scaling = RopeScaling()
             if self.get("rope.scaling.type") == "linear":
                 scaling = RopeScaling("linear", float(self.get("rope.scaling.factor")))
@@ -88,12 +99,12 @@ class GGUFFile:
                 architecture=GGUF_ARCHITECTURES[self.gguf_arch],
                 vocab_size=int(n_vocab),
                 hidden_size=hidden,
-                intermediate_size=int(self.get("feed_forward_length")),
-                num_hidden_layers=int(self.get("block_count")),
+                intermediate_size=self.need("feed_forward_length"),
+                num_hidden_layers=self.need("block_count"),
                 num_attention_heads=heads,
                 num_key_value_heads=kv_heads,
                 head_dim=head_dim,
-                max_position_embeddings=int(self.get("context_length", 4096)),
+                max_position_embeddings=self.need("context_length", 4096),
                 rms_norm_eps=float(self.get("attention.layer_norm_rms_epsilon", 1e-5)),
                 rope_theta=float(self.get("rope.freq_base", 10000.0)),
                 rope_scaling=scaling,
@@ -103,8 +114,10 @@ class GGUFFile:
                 eos_token_ids=_eos_ids(self.metadata),
             )
             return CONFIG_CLASSES.get(base.architecture, ArchConfig).from_gguf(base, self.get)
-        except (KeyError, TypeError, ValueError) as e:
-            raise ModelLoadError(f"{self.path}: incomplete model metadata ({e})") from None
+        except KeyError as e:
+            raise ModelLoadError(f"{self.path}: incomplete model metadata (no {e})") from None
+        except (TypeError, ValueError) as e:
+            raise ModelLoadError(f"{self.path}: invalid model metadata: {e}") from None
 
     def weight_types(self) -> set[str]:
         """The GGUF types of the 2-D (matrix) tensors."""
@@ -187,15 +200,17 @@ def _q4_blocks(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> Block
 
 
 def is_gguf(path: Path) -> bool:
-    try:
-        with open(path, "rb") as f:
-            return f.read(4) == GGUF_MAGIC
-    except OSError:
-        return False
+    """Whether the file starts with GGUF's magic (OSError when it cannot be read)."""
+    with open(path, "rb") as f:
+        return f.read(4) == GGUF_MAGIC
 
 
 def _open_reader(path: Path) -> GGUFReader:
-    if not is_gguf(path):
+    try:
+        magic = is_gguf(path)
+    except OSError as e:
+        raise ModelLoadError(f"{path}: cannot be read ({e.strerror})") from None
+    if not magic:
         raise ModelLoadError(f"{path}: not a GGUF file (no GGUF magic at the start) and not a "
                              "Hugging Face model directory")
     try:
@@ -214,7 +229,7 @@ def _hf_name(gguf_name: str, layer_names: dict[str, str]) -> str | None:
         return f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{parts[3]}"
     if gguf_name.startswith("rope_freqs"):
         return None  # Llama 3 frequency factors; recomputed from the scaling metadata
-    raise ModelLoadError(f"unexpected tensor {gguf_name!r} in GGUF file")
+    raise ValueError(f"unexpected tensor {gguf_name!r}")
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:

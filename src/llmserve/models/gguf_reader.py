@@ -62,7 +62,10 @@ class GGUFReader:
             key = self._string()
             self.metadata[key] = self._value(self._scalar("<I"))
         self.tensors: list[TensorInfo] = [self._tensor_info() for _ in range(n_tensors)]
-        align = int(self.metadata.get("general.alignment", _DEFAULT_ALIGNMENT))
+        align = self.metadata.get("general.alignment", _DEFAULT_ALIGNMENT)
+        if isinstance(align, bool) or not isinstance(align, int) or align < 1 or align & (
+                align - 1):
+            raise GGUFFormatError(f"general.alignment must be a power of two, got {align!r}")
         self.data_start = -(-self._pos // align) * align
         size = len(self._map)
         for t in self.tensors:

@@ -71,11 +71,23 @@ def resolve_model_path(model: str) -> Path:
         if not path.is_file():
             raise ModelLoadError(f"{path}: the package {package!r} does not contain {filename}")
         return path
-    path = Path(model).expanduser()
-    if not path.exists():
-        names = ", ".join(sorted(NAMED_MODELS))
+    names = ", ".join(sorted(NAMED_MODELS))
+    if not model.strip():
+        raise ModelLoadError(f"the model is an empty name: give a GGUF file, a Hugging Face "
+                             f"model directory or a known model name ({names})")
+    try:
+        path = Path(model).expanduser()
+    except RuntimeError as e:  # ~user of an unknown user
+        raise ModelLoadError(f"{model}: {e}") from None
+    try:
+        path.stat()
+    except FileNotFoundError:
         raise ModelLoadError(f"{model}: no such file or directory (and not a known model "
-                             f"name; known: {names})")
+                             f"name; known: {names})") from None
+    except OSError as e:
+        raise ModelLoadError(f"{model}: cannot be read ({e.strerror})") from None
+    if not (path.is_file() or path.is_dir()):
+        raise ModelLoadError(f"{model}: neither a regular file nor a directory")
     return path
 
 
@@ -211,36 +223,87 @@ def _open_gguf(gguf: GGUFFile) -> tuple[ArchConfig, Tokenizer]:
 
 def _open_hf_dir(path: Path) -> tuple[ArchConfig, Tokenizer, Iterator[tuple[str, torch.Tensor]]]:
     config_file = path / "config.json"
-    if not config_file.is_file():
-        raise ModelLoadError(f"{path}: not a model directory (no config.json)")
     try:
-        raw = json.loads(config_file.read_text())
+        if not config_file.is_file():
+            raise ModelLoadError(f"{path}: not a model directory (no config.json)")
+        raw = json.loads(config_file.read_bytes())
         cfg = config_from_hf(raw)
+    except OSError as e:
+        raise ModelLoadError(f"{e.filename or config_file}: cannot be read "
+                             f"({e.strerror})") from None
     except json.JSONDecodeError as e:
         raise ModelLoadError(f"{config_file}: invalid JSON ({e})") from None
+    except UnicodeDecodeError as e:
+        raise ModelLoadError(f"{config_file}: invalid JSON (not UTF-8 text: {e})") from None
     except (KeyError, TypeError) as e:
         raise ModelLoadError(f"{config_file}: missing or invalid field {e}") from None
     except ValueError as e:
         raise ModelLoadError(f"{config_file}: {e}") from None
     _model_class(path, cfg)
-    shards = sorted(path.glob("*.safetensors"))
-    if not shards:
-        raise ModelLoadError(f"{path}: no *.safetensors weights (pickled .bin checkpoints are "
-                             "not loaded for safety)")
+    shards = _weight_files(path)
     try:
         tokenizer = Tokenizer.from_hf_dir(path)
     except Exception as e:
+        if not any((path / f).is_file() for f in _TOKENIZER_FILES):
+            raise ModelLoadError(f"{path}: no tokenizer files (tokenizer.json, or "
+                                 "tokenizer.model, or vocab.json with merges.txt)") from None
         raise ModelLoadError(f"{path}: cannot load the tokenizer ({e})") from None
     return cfg, tokenizer, _safetensors_weights(shards)
+
+
+_INDEX = "model.safetensors.index.json"
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+def _weight_files(path: Path) -> list[Path]:
+    """The safetensors files to load, as transformers picks them: those the index's
+    ``weight_map`` names (a sharded checkpoint), else ``model.safetensors``, else every
+    ``*.safetensors`` file. Each must be readable."""
+    index = path / _INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_bytes())["weight_map"]
+            names = list(dict.fromkeys(weight_map.values()))
+            if not names or not all(isinstance(n, str) and "/" not in n for n in names):
+                raise ValueError("its files must be names in this directory")
+        except OSError as e:
+            raise ModelLoadError(f"{index}: cannot be read ({e.strerror})") from None
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ModelLoadError(f"{index}: not a safetensors index (a JSON object whose "
+                                 f"weight_map maps tensor names to files: {e!r})") from None
+        shards = [path / n for n in names]
+        missing = [n for n, f in zip(names, shards) if not f.is_file()]
+        if missing:
+            raise ModelLoadError(f"{path}: {len(missing)} of the {len(names)} weight files "
+                                 f"named by {_INDEX} are missing: {', '.join(missing[:3])}")
+    elif (path / "model.safetensors").is_file():
+        shards = [path / "model.safetensors"]
+    else:
+        shards = sorted(path.glob("*.safetensors"))
+    if not shards:
+        raise ModelLoadError(f"{path}: no *.safetensors weights (pickled .bin checkpoints are "
+                             "not loaded for safety)")
+    for shard in shards:
+        try:
+            with open(shard, "rb"):
+                pass
+        except OSError as e:
+            raise ModelLoadError(f"{shard}: cannot be read ({e.strerror})") from None
+    return shards
 
 
 def _safetensors_weights(shards: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import SafetensorError, safe_open
 
+    seen: dict[str, Path] = {}
     for shard in shards:
         try:
             with safe_open(str(shard), framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118  (safe_open is not a dict)
+                    if name in seen:
+                        raise ModelLoadError(f"{shard}: tensor {name!r} is also in "
+                                             f"{seen[name].name}: which to load is unclear")
+                    seen[name] = shard
                     yield name, f.get_tensor(name).float()
-        except SafetensorError as e:
+        except (SafetensorError, OSError) as e:
             raise ModelLoadError(f"{shard}: unreadable safetensors file ({e})") from None

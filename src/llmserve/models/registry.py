@@ -7,7 +7,7 @@ from typing import Any
 
 from torch import nn
 
-from llmserve.models.arch_config import ArchConfig
+from llmserve.models.arch_config import ArchConfig, hf_architecture
 from llmserve.models.gemma3 import Gemma3Config, Gemma3ForCausalLM
 from llmserve.models.llama import LlamaForCausalLM
 from llmserve.models.qwen2 import Qwen2ForCausalLM
@@ -44,10 +44,9 @@ def get_model_class(architecture: str) -> type[nn.Module]:
 
 def config_from_hf(raw: dict[str, Any]) -> ArchConfig:
     """A Hugging Face config.json (parsed), read by its family's configuration class."""
-    archs = raw.get("architectures") or []
-    if not archs:
-        raise KeyError("architectures")
-    return CONFIG_CLASSES.get(archs[0], ArchConfig).from_hf_dict(raw)
+    if not isinstance(raw, dict):
+        raise ValueError(f"must hold a JSON object, not a {type(raw).__name__}")
+    return CONFIG_CLASSES.get(hf_architecture(raw), ArchConfig).from_hf_dict(raw)
 
 
 def supported_architectures() -> list[str]:
