@@ -52,6 +52,9 @@ def _build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--api-key", default=None,
                      help="require 'Authorization: Bearer KEY' (health, ready, metrics stay open)")
+    srv.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                     help="the Jinja chat template to use instead of the model's own: a file, "
+                          "or the template itself (default: the model's; checked at start)")
     srv.add_argument("--served-model-name", default=None,
                      help="model name in the API (default: the --model value)")
     srv.add_argument("--max-queued-requests", type=int, default=256,
@@ -264,7 +267,8 @@ def serve_configs(args: argparse.Namespace | Sequence[str]):
                           body_timeout=args.body_timeout,
                           use_database=not args.no_database, data_dir=args.data_dir,
                           database_url=args.database_url, request_log=args.request_log,
-                          cost_per_hour=args.cost_per_hour)
+                          cost_per_hour=args.cost_per_hour,
+                          chat_template=args.chat_template)
     ray_config = None
     if args.replicas is not None or args.min_replicas is not None:
         from llmserve.ray_serve.config import RayServeConfig

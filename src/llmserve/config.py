@@ -133,6 +133,12 @@ def quantization_choices() -> tuple[str, ...]:
     return ("auto", *list_quantization_methods())
 
 
+# The largest KV block: vLLM's largest choice too. Blocks are the prefix cache's unit and
+# a request's last block is partly empty, so larger ones waste memory and cached prefixes
+# for little gain in the kernels (see default_block_size).
+MAX_BLOCK_SIZE = 256
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int | None = None  # None: default_block_size(device), set by EngineConfig
@@ -152,8 +158,10 @@ class CacheConfig:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPE_CHOICES}, "
                              f"got {self.kv_cache_dtype!r}")
         if self.block_size is not None and (
-                self.block_size < 1 or self.block_size & (self.block_size - 1)):
-            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+                not 1 <= self.block_size <= MAX_BLOCK_SIZE
+                or self.block_size & (self.block_size - 1)):
+            raise ValueError(f"block_size (--block-size) must be a power of two from 1 to "
+                             f"{MAX_BLOCK_SIZE}, got {self.block_size}")
         if self.kv_cache_memory_gib is not None and self.kv_cache_memory_gib <= 0:
             raise ValueError(f"kv_cache_memory must be > 0 GiB, got {self.kv_cache_memory_gib}")
         if self.num_blocks is not None and self.num_blocks < 1:
@@ -263,6 +271,20 @@ class SpeculativeConfig:
                 not isinstance(self.draft_num_layers, int) or self.draft_num_layers < 1):
             raise ValueError(f"draft_num_layers must be a positive integer, "
                              f"got {self.draft_num_layers!r}")
+        choices = quantization_choices()
+        if self.quantization not in choices:
+            raise ValueError(f'speculative config (--speculative-config) "quantization", the '
+                             f"draft model's weight format, must be one of {choices}, got "
+                             f"{self.quantization!r}")
+        if self.model:  # last: the other mistakes are named whatever the model
+            from llmserve.errors import LLMServeError
+            from llmserve.models.loader import resolve_model_path  # torch: as ModelConfig
+
+            try:
+                resolve_model_path(self.model)
+            except LLMServeError as e:
+                raise ValueError(f'speculative config (--speculative-config) "model", the '
+                                 f"draft model: {e}") from None
 
     @classmethod
     def from_json(cls, text: str | dict) -> SpeculativeConfig:
@@ -270,6 +292,10 @@ class SpeculativeConfig:
         import json
         from dataclasses import fields
 
+        if not isinstance(text, str | dict):
+            raise TypeError("speculative_config must be a dict (like vLLM's: {\"method\": "
+                            "\"ngram\", \"num_speculative_tokens\": 4}), a SpeculativeConfig "
+                            f"or JSON text, got {type(text).__name__}")
         try:
             data = json.loads(text) if isinstance(text, str) else dict(text)
         except json.JSONDecodeError as e:
@@ -301,6 +327,15 @@ class EngineConfig:
             from llmserve.kv_cache.sizing import check_kv_cache_memory
 
             check_kv_cache_memory(memory, self.model.device)  # CUDA: where the model loads
+        from llmserve.attention.kv_format import GPU_ONLY_KV_CACHE_DTYPES
+
+        if (self.cache.kv_cache_dtype in GPU_ONLY_KV_CACHE_DTYPES
+                and not self.model.device.startswith("cuda")):
+            from llmserve.attention.kv_format import KV_CACHE_DTYPES
+
+            raise ValueError(f"kv_cache_dtype (--kv-cache-dtype) {self.cache.kv_cache_dtype} "
+                             f"is stored on GPUs only; on {self.model.device} choose one of "
+                             f"{('auto', *KV_CACHE_DTYPES)}")
         if self.cache.block_size is None:
             object.__setattr__(self, "cache", replace(
                 self.cache, block_size=default_block_size(self.model.device)))
@@ -339,9 +374,20 @@ class ServerConfig:
     database_url: str | None = None
     request_log: str = "off"
     cost_per_hour: float | None = None  # the console's cost per 1K output tokens
+    # The chat template instead of the model's own: Jinja text, or a file holding it.
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
         check_field_types(self)
+        if self.api_key is not None and (not self.api_key.strip()
+                                         or self.api_key != self.api_key.strip()):
+            what = "is empty" if not self.api_key.strip() else \
+                "starts or ends with white space (a request's header cannot carry it)"
+            raise ValueError(f"--api-key {what}: give a key of visible characters, or leave "
+                             "--api-key out for a server without the shared key")
+        if self.chat_template is not None and not self.chat_template.strip():
+            raise ValueError("--chat-template is empty: give a Jinja template or a file "
+                             "holding one, or leave --chat-template out for the model's own")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         for name in ("max_queued_requests", "max_queued_tokens"):

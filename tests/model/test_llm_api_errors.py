@@ -54,3 +54,20 @@ def test_enforce_eager_off_cuda_says_it_changes_nothing(tiny_model_dir, caplog):
     LLM(str(tiny_model_dir("llama-gqa")[0]), max_model_len=128, num_kv_blocks=64,
         enforce_eager=True)
     assert "enforce_eager has no effect on cpu" in caplog.text
+
+
+def test_a_speculative_config_that_is_no_dict_is_a_type_error(tiny_model_dir):
+    path = str(tiny_model_dir("llama-gqa")[0])
+    with pytest.raises(TypeError, match=r"speculative_config must be a dict .* got list"):
+        LLM(path, speculative_config=[1, 2])
+
+
+def test_a_draft_shorter_than_draft_num_layers_names_it(tiny_model_dir):
+    from llmserve.errors import ModelLoadError
+
+    path = str(tiny_model_dir("llama-gqa")[0])
+    with pytest.raises(ModelLoadError, match=r'\(--speculative-config\) "draft_num_layers" 5 '
+                                             r"does not fit the draft model: .*cannot keep 5 "
+                                             r"layers of 2; allowed: 1 to 2"):
+        LLM(path, max_model_len=128, num_kv_blocks=64,
+            speculative_config={"method": "draft", "model": path, "draft_num_layers": 5})

@@ -148,3 +148,109 @@ def test_config_fields_of_the_wrong_type_are_named():
         with pytest.raises(ValueError, match=message):
             make()
     CacheConfig(kv_cache_memory_gib=1)  # an int where a float goes is fine
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--api-key", ""], "--api-key is empty"),
+    (["--api-key", "   "], "--api-key is empty"),
+    (["--block-size", "4096"], "block_size (--block-size) must be a power of two from 1 to 256"),
+    (["--block-size", "1073741824"], "got 1073741824"),
+    (["--kv-cache-dtype", "float16"], "float16 is stored on GPUs only; on cpu choose one of"),
+    (["--speculative-config", '{"method": "draft", "model": "smollm2-135m-instruct", '
+                              '"quantization": "int3"}'],
+     "(--speculative-config) \"quantization\", the draft model's weight format, must be one "
+     "of ('auto',"),
+    (["--speculative-config", '{"method": "draft", "model": "/no/such/draft.gguf"}'],
+     '(--speculative-config) "model", the draft model: /no/such/draft.gguf: no such file'),
+    (["--chat-template", "/no/such/template.jinja"],
+     "--chat-template '/no/such/template.jinja': cannot read it (No such file or directory)"),
+])
+def test_values_that_alone_are_wrong_fail_before_the_model_loads(args, message, tmp_path):
+    """(These used to be taken, or to fail only after the model loaded.) No database is
+    left behind either."""
+    data_dir = tmp_path / "data"
+    out = _run_cli("serve", "--port", "0", "--data-dir", str(data_dir), *args)
+    assert out.returncode == 2, out.stderr
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and message in lines[0], out.stderr
+    assert "loaded" not in out.stderr and "Traceback" not in out.stderr
+    assert not data_dir.exists()
+
+
+def test_an_embedded_draft_model_name_is_still_a_draft_model():
+    from llmserve.config import SpeculativeConfig
+
+    SpeculativeConfig(method="draft", model=DEFAULT_MODEL)
+
+
+def test_a_start_that_fails_after_the_load_leaves_no_database(tmp_path, tiny_model_dir):
+    model = tiny_model_dir("llama-gqa")[0]
+    data_dir = tmp_path / "data"
+    out = _run_cli("serve", "--model", str(model), "--port", "0", "--data-dir", str(data_dir),
+                   "--max-model-len", "100000")
+    assert out.returncode == 2, out.stderr
+    assert "max_model_len 100000 exceeds the model's context length" in out.stderr
+    assert not data_dir.exists()
+
+
+def test_a_key_refused_for_its_limits_creates_no_database(tmp_path):
+    data_dir = tmp_path / "data"
+    out = _run_cli("keys", "create", "--name", "a", "--requests-per-minute", "0",
+                   "--data-dir", str(data_dir))
+    assert out.returncode == 2
+    assert "--requests-per-minute must be from 1 to" in out.stderr, out.stderr
+    assert not data_dir.exists()
+
+
+def test_a_chat_template_that_does_not_parse_is_refused_at_start(tmp_path, tiny_model_dir):
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir("llama-gqa")[0], model)
+    (model / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }}}")
+    out = _run_cli("serve", "--model", str(model), "--port", "0", "--no-database")
+    assert out.returncode == 2, out.stderr
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, out.stderr
+    assert f"the chat template of model {model} does not parse" in lines[0]
+    assert "--chat-template" in lines[0]
+    out = _run_cli("serve", "--model", str(model), "--port", "0", "--no-database",
+                   "--chat-template", "{{ oops }")
+    assert out.returncode == 2
+    assert "--chat-template does not parse as a Jinja template" in out.stderr, out.stderr
+
+
+def test_speculative_config_of_the_wrong_type_is_a_type_error():
+    from llmserve.config import SpeculativeConfig
+
+    for value in ([1, 2], 5, None):
+        with pytest.raises(TypeError, match="speculative_config must be a dict"):
+            SpeculativeConfig.from_json(value)
+
+
+def test_ray_replicas_that_the_cluster_cannot_place_are_refused():
+    from llmserve.ray_serve.config import RayServeConfig
+    from llmserve.ray_serve.launcher import check_cluster_resources
+
+    cpu_only = {"CPU": 2.0, "memory": 1e9}
+    check_cluster_resources(cpu_only, RayServeConfig(replicas=2))
+    with pytest.raises(ValueError, match=r"need 1 GPUs \(1 replicas x --gpus-per-replica 1\) "
+                                         r"but the cluster has 0"):
+        check_cluster_resources(cpu_only, RayServeConfig(replicas=1, gpus_per_replica=1))
+    with pytest.raises(ValueError, match=r"3 CPUs \(3 replicas x --cpus-per-replica 1\)"):
+        check_cluster_resources(cpu_only, RayServeConfig(replicas=3))
+    with pytest.raises(ValueError, match="4 CPUs"):  # autoscaling: its first replicas
+        check_cluster_resources(cpu_only, RayServeConfig(min_replicas=2, max_replicas=4,
+                                                         cpus_per_replica=2))
+
+
+def test_an_api_key_of_nothing_is_refused():
+    """(An empty --api-key made "Authorization: Bearer " a valid key.)"""
+    from llmserve.config import ServerConfig
+
+    for key in ("", " ", "\t"):
+        with pytest.raises(ValueError, match="--api-key is empty"):
+            ServerConfig(api_key=key)
+    with pytest.raises(ValueError, match="--api-key starts or ends with white space"):
+        ServerConfig(api_key=" sk-1")
+    assert ServerConfig(api_key="sk-1").api_key == "sk-1"

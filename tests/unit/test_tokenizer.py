@@ -87,3 +87,32 @@ def test_gemma3_chat_template_renders_as_in_transformers():
     with pytest.raises(ChatTemplateError, match="must alternate"):
         render_chat_template(template, [{"role": "user", "content": "a"},
                                         {"role": "user", "content": "b"}], bos_token="<bos>")
+
+
+def test_use_chat_template_checks_the_model_s_and_takes_one_given(tmp_path, smol_tokenizer):
+    """A template that does not parse is the server's to refuse at start (it used to serve,
+    answering every chat request 400 "invalid chat template" with param "messages")."""
+    import copy
+
+    from llmserve.server.launcher import use_chat_template
+    from llmserve.tokenizer.chat_template import check_chat_template, read_chat_template
+
+    with pytest.raises(ChatTemplateError, match="invalid chat template: unexpected '}'"):
+        check_chat_template("{{ x }")
+    broken = copy.copy(smol_tokenizer)
+    broken.chat_template = "{% for m in messages %}{{ m.content }{% endfor %}"
+    with pytest.raises(ValueError, match=r"the chat template of model tiny does not parse as "
+                                         r"a Jinja template \(unexpected '}'\); give one that "
+                                         r"does with --chat-template FILE"):
+        use_chat_template(broken, None, "tiny")
+    file = tmp_path / "t.jinja"
+    file.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    assert read_chat_template(str(file)) == file.read_text()
+    use_chat_template(broken, str(file), "tiny")
+    assert broken.apply_chat_template([{"role": "user", "content": "hi"}]) == "hi"
+    none = copy.copy(smol_tokenizer)
+    none.chat_template = None
+    use_chat_template(none, None, "tiny")  # a model without a template keeps working
+    assert none.chat_template is None
+    with pytest.raises(ValueError, match="--chat-template does not parse"):
+        use_chat_template(copy.copy(smol_tokenizer), "{{ x }", "tiny")

@@ -561,3 +561,51 @@ def test_one_request_the_database_refuses_holds_back_no_one(postgres):
         assert [(r.model, r.requests, r.prompt_tokens) for r in rows] == [("m", 4, 18)]
     finally:
         db.close()
+
+
+def _as_plain_user(code: str) -> subprocess.CompletedProcess:
+    """Run ``code`` as a process without root's override of file permissions."""
+    import os
+    import shutil
+
+    prefix = []
+    if os.geteuid() == 0:
+        if shutil.which("setpriv") is None:
+            pytest.skip("root without setpriv: file permissions cannot be tested")
+        prefix = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search"]
+    return subprocess.run([*prefix, sys.executable, "-c", code], capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_a_read_only_database_is_refused_naming_the_file(tmp_path):
+    """(It used to open, and every usage write failed with SQL warnings.)"""
+    Database(database_url(tmp_path)).close()
+    path = tmp_path / "llmserve.db"
+    path.chmod(0o444)
+    opened = _as_plain_user(f"from llmserve.usage import Database\n"
+                            f"Database({f'sqlite:///{path}'!r})")
+    assert opened.returncode != 0
+    assert f"the usage database {path} is read-only for this user" in opened.stderr
+    # Past the permission check (a read-only mount looks writable to it): the write probe.
+    probed = _as_plain_user("import llmserve.usage.database as d\n"
+                            "d.check_writable = lambda path: None\n"
+                            f"d.Database({f'sqlite:///{path}'!r})")
+    assert f"cannot write the usage database {path}: attempt to write a readonly " \
+           f"database" in probed.stderr, probed.stderr
+    # Reports only read it.
+    listed = _as_plain_user(f"from llmserve.usage import Database, KeyStore\n"
+                            f"print(KeyStore(Database({f'sqlite:///{path}'!r}, "
+                            f"writes=False)).list())")
+    assert listed.returncode == 0 and listed.stdout.strip() == "[]", listed.stderr
+
+
+def test_a_read_only_data_dir_says_which_directory(tmp_path):
+    """(It used to say only sqlite's "unable to open database file".)"""
+    data_dir = tmp_path / "ro"
+    data_dir.mkdir()
+    data_dir.chmod(0o555)
+    out = _as_plain_user(f"from llmserve.usage import Database\n"
+                         f"Database({f'sqlite:///{data_dir}/sub/llmserve.db'!r})")
+    assert (f"cannot create the usage database {data_dir}/sub/llmserve.db: the directory "
+            f"{data_dir} is not writable") in out.stderr, out.stderr
+    assert list(data_dir.iterdir()) == []

@@ -173,6 +173,44 @@ def stop(ray_config: RayServeConfig) -> None:
     ray.shutdown()  # a local cluster stops; a connection to an existing one closes
 
 
+def check_cluster_resources(available: dict[str, float], ray_config: RayServeConfig) -> None:
+    """The Ray cluster (``ray.cluster_resources()``) holds what the replicas started at
+    deployment ask for, else a ValueError that says what is missing: Ray would otherwise
+    wait for it without a word, forever (the ingress reserves no CPU)."""
+    replicas = ray_config.min_replicas if ray_config.autoscaling else ray_config.replicas
+    assert replicas is not None
+    missing = []
+    for resource, flag, each in (("CPU", "--cpus-per-replica", ray_config.cpus_per_replica),
+                                 ("GPU", "--gpus-per-replica", ray_config.gpus_per_replica)):
+        need = replicas * each
+        have = float(available.get(resource, 0.0))
+        if need > have + 1e-9:
+            missing.append(f"{need:g} {resource}s ({replicas} replicas x {flag} {each:g}) "
+                           f"but the cluster has {have:g}")
+    if missing:
+        raise ValueError("the Ray cluster cannot place the engine replicas: they need "
+                         + "; and ".join(missing)
+                         + "; lower --replicas or the per-replica resources, or add nodes "
+                           "to the cluster (--ray-address)")
+
+
+def _check_chat_template(engine_config: EngineConfig, config: ServerConfig, *,
+                         local: bool) -> None:
+    """The model's chat template parses (as the single server checks at start; on a local
+    cluster only: another cluster's nodes may hold files this one lacks); the ingress
+    renders the model's own, so --chat-template is refused rather than ignored."""
+    from llmserve.models.loader import load_tokenizer
+    from llmserve.server.launcher import use_chat_template
+
+    if config.chat_template is not None:
+        raise ValueError("--chat-template is not supported with --replicas yet: the replicas "
+                         "render the model's own chat template")
+    if not local:
+        return
+    model = engine_config.model.model
+    use_chat_template(load_tokenizer(model), None, model)
+
+
 def _connect(ray_config: RayServeConfig) -> None:
     """Start a local Ray cluster of our own (never join one found on the machine unless
     --ray-address says so), or connect to the given one."""
@@ -200,7 +238,21 @@ def serve_on_ray(engine_config: EngineConfig, config: ServerConfig,
 
     # Ray installs its own SIGTERM handler when it starts; ours replaces it, and it is in
     # place before the deployment starts (a signal during start-up drains once it is up).
+    _check_chat_template(engine_config, config, local=ray_config.address is None)
     _connect(ray_config)
+    try:
+        import ray
+
+        try:
+            check_cluster_resources(ray.cluster_resources(), ray_config)
+        except ValueError as e:
+            if ray_config.address is None:
+                raise
+            # An existing cluster may add nodes on demand (its autoscaler): only a warning.
+            logger.warning("%s", e)
+    except BaseException:
+        ray.shutdown()  # a local cluster stops: nothing is left behind
+        raise
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         start(engine_config, config, ray_config)

@@ -27,6 +27,12 @@ from llmserve.server.accounts import Accounts
 from llmserve.server.app import ServerState, build_app
 from llmserve.server.http_guard import MAX_HEADER_BYTES, GuardedH11Protocol
 from llmserve.server.metrics import ServerMetrics
+from llmserve.tokenizer.chat_template import (
+    ChatTemplateError,
+    check_chat_template,
+    read_chat_template,
+)
+from llmserve.tokenizer.tokenizer import Tokenizer
 
 logger = get_logger(__name__)
 _IMPORTED = time.monotonic()
@@ -89,6 +95,17 @@ def create_app(engine_config: EngineConfig,
                config: ServerConfig) -> tuple[FastAPI, AsyncLLM, ServerState]:
     """Build the app and its engine handle; ``await engine.start()`` starts the engine
     process. Also the in-process mode: serve the app with any ASGI server or test client."""
+    engine, metrics, model_name = make_engine(engine_config, config)
+    state = ServerState()
+    app = build_app(engine, config, metrics, state, model_name, open_accounts(config))
+    return app, engine, state
+
+
+def make_engine(engine_config: EngineConfig,
+                config: ServerConfig) -> tuple[AsyncLLM, ServerMetrics, str]:
+    """The engine handle (its process not started yet), with the tokenizer and the chat
+    template the server uses: a template that does not parse is refused here, before the
+    model loads."""
     model_name = config.served_model_name or engine_config.model.model
     metrics = ServerMetrics(model_name)
     engine = AsyncLLM(engine_config,
@@ -98,9 +115,29 @@ def create_app(engine_config: EngineConfig,
                       hang_timeout=config.engine_hang_timeout,
                       max_restarts=config.engine_max_restarts,
                       restart_window=config.engine_restart_window)
-    state = ServerState()
-    app = build_app(engine, config, metrics, state, model_name, open_accounts(config))
-    return app, engine, state
+    use_chat_template(engine.tokenizer, config.chat_template, engine_config.model.model)
+    return engine, metrics, model_name
+
+
+def use_chat_template(tokenizer: Tokenizer, chat_template: str | None, model: str) -> None:
+    """Give ``tokenizer`` the --chat-template (Jinja text or a file), if any, and check that
+    its template parses: a broken one is the server's problem, refused at start, not one to
+    answer each chat request with a 400 that blames the client's messages. A model without
+    a chat template keeps none (chat requests then get a 400 that says so)."""
+    if chat_template is not None:
+        tokenizer.chat_template = read_chat_template(chat_template)
+    if not tokenizer.chat_template:
+        return
+    try:
+        check_chat_template(tokenizer.chat_template)
+    except ChatTemplateError as e:
+        why = str(e).removeprefix("invalid chat template: ")
+        if chat_template is not None:
+            raise ValueError(f"--chat-template does not parse as a Jinja template: {why}"
+                             ) from None
+        raise ValueError(f"the chat template of model {model} does not parse as a Jinja "
+                         f"template ({why}); give one that does with --chat-template "
+                         "FILE") from None
 
 
 def open_accounts(config: ServerConfig) -> Accounts:
@@ -112,6 +149,18 @@ def open_accounts(config: ServerConfig) -> Accounts:
 
         db = Database(database_url(config.data_dir, config.database_url))
     return Accounts(config.api_key, db, config.request_log)
+
+
+def check_usage_database(config: ServerConfig) -> None:
+    """Refuse, before the model loads, a SQLite usage database this process cannot write
+    or create (creates nothing: the server opens the database once its engine is up)."""
+    if not config.use_database:
+        return
+    from llmserve.usage.database import check_writable, database_url, sqlite_path
+
+    path = sqlite_path(database_url(config.data_dir, config.database_url))
+    if path is not None:
+        check_writable(path)
 
 
 def process_age_seconds() -> float:
@@ -154,6 +203,7 @@ async def _serve(engine_config: EngineConfig, config: ServerConfig) -> int:
     # The engine process loads the model on this machine: a device it cannot use is refused
     # before the socket and the usage database are opened.
     check_device(engine_config.model.device, available=True)
+    check_usage_database(config)
     sock = listen_socket(config.host, config.port)
     try:
         return await _serve_on(sock, engine_config, config, started)
@@ -163,19 +213,21 @@ async def _serve(engine_config: EngineConfig, config: ServerConfig) -> int:
 
 async def _serve_on(sock: socket.socket, engine_config: EngineConfig, config: ServerConfig,
                     started: float) -> int:
-    app, engine, state = create_app(engine_config, config)
-    accounts: Accounts = app.state.accounts
-    logger.info("access: %s", accounts.describe())
+    engine, metrics, model_name = make_engine(engine_config, config)
     try:
         ready = await engine.start()
+        # Opened (created, when new) only now: a start that fails leaves no database behind.
+        # Nothing listens before this returns, so /ready is never true without it.
+        accounts = open_accounts(config)
     except BaseException:
         await engine.shutdown()
-        await accounts.close()
         raise
+    state = ServerState()
+    app = build_app(engine, config, metrics, state, model_name, accounts)
+    logger.info("access: %s", accounts.describe())
     logger.info("ready %.1f s after the process started (imports %.1f s; engine process: "
                 "model load %.1f s, KV cache %.1f s, warm-up %.1f s)", process_age_seconds(),
                 started, ready.load_seconds, ready.kv_cache_seconds, ready.warm_up_seconds)
-    model_name = config.served_model_name or engine_config.model.model
     protocol = type("Protocol", (GuardedH11Protocol,),
                     {"header_timeout": config.header_timeout})
     uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",

@@ -96,10 +96,7 @@ class DraftProposer:
                  draft: LoadedModel | None = None,
                  target_kv: TargetKV | None = None) -> None:
         mc = engine_config.model
-        self.loaded = draft or load_model(config.model, mc.device,
-                                          quantization=config.quantization, dtype=mc.dtype,
-                                          group_size=mc.int4_group_size,
-                                          num_layers=config.draft_num_layers)
+        self.loaded = draft or _load_draft(config, engine_config)
         arch, target_arch = self.loaded.arch_config, target.arch_config
         if arch.vocab_size != target_arch.vocab_size:
             raise ModelLoadError(f"draft model {config.model}: vocabulary of "
@@ -383,6 +380,25 @@ class DraftProposer:
             if not items:
                 return first
             self.runner.write_kv(SchedulerOutput(items, used))
+
+
+def _load_draft(config: SpeculativeConfig, engine_config: EngineConfig) -> LoadedModel:
+    """The draft model, or a ModelLoadError that names --speculative-config (and its
+    "draft_num_layers" where that is what does not fit the draft)."""
+    mc = engine_config.model
+    try:
+        return load_model(config.model, mc.device, quantization=config.quantization,
+                          dtype=mc.dtype, group_size=mc.int4_group_size,
+                          num_layers=config.draft_num_layers)
+    except ModelLoadError as e:
+        # The loader's words for a layer count the file lacks: "PATH: cannot keep N layers
+        # of M; allowed: 1 to M".
+        if config.draft_num_layers is not None and "cannot keep" in str(e):
+            raise ModelLoadError(f'speculative config (--speculative-config) "draft_num_layers" '
+                                 f"{config.draft_num_layers} does not fit the draft model: "
+                                 f"{e}") from None
+        raise ModelLoadError(f'speculative config (--speculative-config) "model", the draft '
+                             f"model: {e}") from None
 
 
 def _why_not_target_kv(draft: LoadedModel, target: LoadedModel,

@@ -28,6 +28,29 @@ def render_chat_template(template: str, messages: list[dict[str, Any]], *,
         raise ChatTemplateError(f"chat template failed: {e}") from None
 
 
+def check_chat_template(template: str) -> None:
+    """Compile ``template``: a ChatTemplateError ("invalid chat template: ...") if it does
+    not parse (the server checks its template at start, as vLLM does, rather than answer
+    every chat request with an error about the template)."""
+    _compile(template)
+
+
+def read_chat_template(value: str) -> str:
+    """The template ``--chat-template`` gives: Jinja text as it is (it holds ``{``), else
+    the file of that path."""
+    if "{" in value:
+        return value
+    from pathlib import Path
+
+    try:
+        return Path(value).expanduser().read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        why = e.strerror if isinstance(e, OSError) else "not a text file"
+        raise ChatTemplateError(f"--chat-template {value!r}: cannot read it ({why}); give "
+                                "a file holding a Jinja chat template, or the template "
+                                "itself") from None
+
+
 @lru_cache(maxsize=8)
 def _compile(template: str):
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,

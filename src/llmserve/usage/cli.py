@@ -9,7 +9,7 @@ import sys
 from datetime import date
 
 from llmserve.usage.database import Database, database_url
-from llmserve.usage.keys import KeyInfo, KeyStore
+from llmserve.usage.keys import KeyInfo, KeyStore, check_new_key
 from llmserve.usage.report import usage
 
 
@@ -57,11 +57,13 @@ def add_usage_parsers(sub) -> None:
     report.set_defaults(func=_usage)
 
 
-def _open(args: argparse.Namespace) -> Database:
-    return Database(database_url(args.data_dir, args.database_url))
+def _open(args: argparse.Namespace, writes: bool = True) -> Database:
+    return Database(database_url(args.data_dir, args.database_url), writes=writes)
 
 
 def _create(args: argparse.Namespace) -> int:
+    # Checked before the database is opened: a refused key creates no database.
+    check_new_key(args.name, args.requests_per_minute, args.tokens_per_minute)
     key, info = KeyStore(_open(args)).create(args.name, args.requests_per_minute,
                                               args.tokens_per_minute)
     print(key)  # stdout: the key alone, for scripts
@@ -71,7 +73,7 @@ def _create(args: argparse.Namespace) -> int:
 
 
 def _list(args: argparse.Namespace) -> int:
-    keys = KeyStore(_open(args)).list()
+    keys = KeyStore(_open(args, writes=False)).list()
     if args.json:
         print(json.dumps([k.to_json() for k in keys], indent=2))
         return 0
@@ -97,7 +99,7 @@ def _revoke(args: argparse.Namespace) -> int:
 
 
 def _usage(args: argparse.Namespace) -> int:
-    db = _open(args)
+    db = _open(args, writes=False)
     key_id = KeyStore(db).find(args.key).id if args.key else None
     rows = usage(db, key_id, args.since)
     totals = {f: sum(getattr(r, f) for r in rows)

@@ -34,6 +34,55 @@ def default_data_dir() -> Path:
     return user_data_path("llmserve", appauthor=False)
 
 
+def sqlite_path(url: str) -> Path | None:
+    """The file of an ``sqlite:///PATH`` URL (None: another database, or in memory)."""
+    if not url.startswith("sqlite:///"):
+        return None
+    name = url.removeprefix("sqlite:///").split("?", 1)[0]
+    return Path(name) if name and name != ":memory:" else None
+
+
+def check_writable(path: Path) -> None:
+    """The SQLite database ``path`` can be written, or created with its directory, by this
+    process; else a DatabaseError that names the path and why. Creates nothing (the server
+    checks this before its model loads, and opens the database once the engine is up).
+    SQLite in WAL mode also writes two files beside the database: its directory must be
+    writable too."""
+    hint = "choose another with --data-dir or --database-url, or run without one (--no-database)"
+    if path.exists():
+        if not path.is_file():
+            raise DatabaseError(f"the usage database {path} is not a file; {hint}")
+        if not os.access(path, os.R_OK | os.W_OK):
+            raise DatabaseError(f"the usage database {path} is read-only for this user "
+                                f"(keys and usage could not be written); make it writable, "
+                                f"or {hint}")
+    directory = path.parent
+    while not directory.exists() and directory != directory.parent:
+        directory = directory.parent
+    if not directory.is_dir():
+        raise DatabaseError(f"cannot create the usage database {path}: {directory} is not "
+                            f"a directory; {hint}")
+    if not os.access(directory, os.W_OK | os.X_OK):
+        what = "create the usage database" if not path.exists() else \
+            "use the usage database"
+        raise DatabaseError(f"cannot {what} {path}: the directory {directory} is not "
+                            f"writable for this user; {hint}")
+
+
+def _remove(paths: list[Path]) -> None:
+    """Remove the files and (empty) directories a failed open created, deepest first."""
+    for p in paths:
+        for f in (p, p.with_name(p.name + "-wal"), p.with_name(p.name + "-shm"),
+                  p.with_name(p.name + "-journal")):
+            try:
+                if f.is_dir():
+                    f.rmdir()
+                else:
+                    f.unlink(missing_ok=True)
+            except OSError:
+                pass
+
+
 def database_url(data_dir: str | Path | None = None, url: str | None = None) -> str:
     if url:
         return url
@@ -44,23 +93,50 @@ def database_url(data_dir: str | Path | None = None, url: str | None = None) -> 
 class Database:
     """An SQLAlchemy engine and session factory over a migrated database."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, *, writes: bool = True) -> None:
+        """``writes`` False: only read (reports), so a read-only SQLite file is fine."""
         self.url = url
-        if url.startswith("sqlite:///"):
-            path = Path(url.removeprefix("sqlite:///"))
+        path = sqlite_path(url)
+        created: list[Path] = []  # what this open made, removed again if it fails
+        if path is not None and (writes or not path.exists()):
+            check_writable(path)
+            created = [p for p in (path, *path.parents) if not p.exists()]
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
             except OSError as e:
                 raise DatabaseError(f"cannot create the data directory {path.parent}: "
                                     f"{e.strerror}") from None
         try:
-            self.engine: Engine = create_engine(url)
-        except Exception as e:  # a malformed URL, a driver that is not installed
-            raise DatabaseError(f"cannot use the database URL {_redacted(url)}: {e}") from None
-        if self.engine.dialect.name == "sqlite":
-            event.listen(self.engine, "connect", _sqlite_pragmas)
-        self._sessions = sessionmaker(self.engine, expire_on_commit=False)
-        self.migrate()
+            try:
+                self.engine: Engine = create_engine(url)
+            except Exception as e:  # a malformed URL, a driver that is not installed
+                raise DatabaseError(f"cannot use the database URL {_redacted(url)}: {e}"
+                                    ) from None
+            if self.engine.dialect.name == "sqlite":
+                event.listen(self.engine, "connect", _sqlite_pragmas)
+            self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+            self.migrate()
+            if path is not None and writes:
+                self._check_sqlite_writes(path)
+        except BaseException:
+            if hasattr(self, "engine"):
+                self.engine.dispose()
+            _remove(created)
+            raise
+
+    def _check_sqlite_writes(self, path: Path) -> None:
+        """A file SQLite opened read-only (its permissions, a read-only mount) reads fine
+        and fails at every write: refused here, not with every request's usage lost."""
+        from sqlalchemy.exc import OperationalError
+
+        try:
+            with self.engine.begin() as connection:  # the same value: nothing changes
+                version = connection.exec_driver_sql("PRAGMA user_version").scalar()
+                connection.exec_driver_sql(f"PRAGMA user_version = {int(version or 0)}")
+        except OperationalError as e:
+            raise DatabaseError(f"cannot write the usage database {path}: "
+                                f"{e.orig or e}; make it writable, or choose another "
+                                "with --data-dir or --database-url") from None
 
     def migrate(self) -> None:
         """Bring the schema to the newest revision (a no-op when it is there). Servers and

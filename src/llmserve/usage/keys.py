@@ -66,6 +66,26 @@ def _is_id(ref: str) -> bool:
     return ref.isascii() and ref.isdigit()
 
 
+def check_new_key(name: str, requests_per_minute: int | None = None,
+                  tokens_per_minute: int | None = None) -> str:
+    """A new key's name (stripped) if it and the limits are allowed, else a ValueError that
+    says what is (`keys create` checks this before it opens or creates the database)."""
+    name = name.strip()
+    if not name:
+        raise ValueError("a key needs a name (--name)")
+    if len(name) > NAME_MAX:
+        raise ValueError(f"a key's name has at most {NAME_MAX} characters, got {len(name)}")
+    if _is_id(name):
+        raise ValueError(f"a key's name cannot be a number ({name!r}): `keys revoke "
+                         f"{name}` would mean the key with id {name}")
+    for flag, value in (("--requests-per-minute", requests_per_minute),
+                        ("--tokens-per-minute", tokens_per_minute)):
+        if value is not None and not 1 <= value <= LIMIT_MAX:
+            raise ValueError(f"{flag} must be from 1 to {LIMIT_MAX}, got {value} (leave "
+                             "it out for no limit)")
+    return name
+
+
 class KeyStore:
     def __init__(self, db: Database) -> None:
         self.db = db
@@ -73,19 +93,7 @@ class KeyStore:
     def create(self, name: str, requests_per_minute: int | None = None,
                tokens_per_minute: int | None = None) -> tuple[str, KeyInfo]:
         """A new key and its record; the key itself is not stored and cannot be shown again."""
-        name = name.strip()
-        if not name:
-            raise ValueError("a key needs a name (--name)")
-        if len(name) > NAME_MAX:
-            raise ValueError(f"a key's name has at most {NAME_MAX} characters, got {len(name)}")
-        if _is_id(name):
-            raise ValueError(f"a key's name cannot be a number ({name!r}): `keys revoke "
-                             f"{name}` would mean the key with id {name}")
-        for flag, value in (("--requests-per-minute", requests_per_minute),
-                            ("--tokens-per-minute", tokens_per_minute)):
-            if value is not None and not 1 <= value <= LIMIT_MAX:
-                raise ValueError(f"{flag} must be from 1 to {LIMIT_MAX}, got {value} (leave "
-                                 "it out for no limit)")
+        name = check_new_key(name, requests_per_minute, tokens_per_minute)
         key = new_key()
         row = ApiKey(name=name, prefix=key[:_SHOWN], key_hash=hash_key(key),
                      created_at=utcnow(), requests_per_minute=requests_per_minute,
