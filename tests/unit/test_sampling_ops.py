@@ -202,13 +202,35 @@ def test_race_log_and_uniforms():
     v = torch.arange(1 << 16)
     keys = torch.tensor([[12345, 678], [12345 ^ 1, 678], [12345, 678 ^ 1]])
     h = ops._mix32(ops._mix32(v ^ keys[:, :1]) ^ keys[:, 1:])
-    uniforms = ((h >> 8).float() + 0.5) * 2.0**-24
+    uniforms = ((h >> 9).float() + 0.5) * 2.0**-23
     counts = torch.stack([torch.histc(r, bins=16, min=0.0, max=1.0) for r in uniforms])
     expected = (1 << 16) / 16
     assert (((counts - expected) ** 2 / expected).sum(dim=1) < 37.7).all()  # chi2, 15 df, p=.001
     for other in (1, 2):
         r = torch.corrcoef(torch.stack([uniforms[0], uniforms[other]]))[0, 1]
         assert abs(float(r)) < 0.02
+
+
+def test_a_token_of_probability_zero_never_wins_the_race():
+    """Every hash maps to a uniform below 1, so E = -log(u) > 0 and a zero probability
+    scores 0. (u had been ((h >> 8) + 0.5) 2^-24, which rounds to 1 for the largest 24-bit
+    value: E = 0 and 0 / 0 won, for about one row in 340 at SmolLM2's vocabulary; this key
+    drew token 24576 from a distribution holding only 12937.)"""
+    from llmserve.runner.model_runner import token_seed
+
+    vocab = 49152
+    gen = torch.Generator().manual_seed(3)
+    rows = 3000
+    keys = torch.cat([ops.race_keys([token_seed(614248, 46)], torch.device("cpu")),
+                      torch.randint(0, 2**32, (rows - 1, 2), generator=gen)])
+    hot = torch.randint(0, vocab, (rows,), generator=gen)
+    hot[0] = 12937
+    probs = torch.zeros(rows, vocab)
+    probs[torch.arange(rows), hot] = 1.0
+    assert ops.exponential_race(probs, keys).tolist() == hot.tolist()
+    assert ops.race_scores(probs[:600], keys[:600]).argmax(dim=1).tolist() == hot[:600].tolist()
+    largest = ((torch.tensor([2**32 - 1]) >> 9).float() + 0.5) * 2.0**-23
+    assert largest.item() < 1.0 and ops._log(largest).item() < 0.0
 
 
 def test_row_results_do_not_depend_on_the_batch():

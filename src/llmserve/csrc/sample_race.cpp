@@ -5,8 +5,8 @@
 // the batch, the thread count or the CPU), and needs no generator state.
 //
 // The arithmetic is the PyTorch reference's (ops._race_scores), operation for operation:
-// 32-bit integer hashing, the exact conversion of 24 bits to a float in (0, 1), Cephes'
-// logf polynomial as separate float32 multiplies and adds (-ffp-contract=off), one
+// 32-bit integer hashing, the exact conversion of 23 bits and a half to a float in (0, 1),
+// Cephes' logf polynomial as separate float32 multiplies and adds (-ffp-contract=off), one
 // division. The reference gives the same bits on any device; this runs ~20x faster than
 // PyTorch's per-row exponential_ and needs no [rows, vocab] temporaries.
 
@@ -90,7 +90,7 @@ Best race_chunk(const float* p, int64_t begin, int64_t end, uint32_t k0, uint32_
     std::memcpy(&probs, p + i, n * sizeof(float));
     const vuint idx = static_cast<uint32_t>(i) + lane;
     const vuint h = mix32(mix32(idx ^ k0) ^ k1);
-    const vfloat u = (__builtin_convertvector(h >> 8, vfloat) + 0.5f) * 0x1p-24f;
+    const vfloat u = (__builtin_convertvector(h >> 9, vfloat) + 0.5f) * 0x1p-23f;  // < 1
     vfloat score = probs / (0.0f - vlog(u));
     if (scores != nullptr) std::memcpy(scores + i, &score, n * sizeof(float));
     if (n < kLanes) {

@@ -69,7 +69,9 @@ def race_scores(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     reference the compiled kernel is held to."""
     v = torch.arange(probs.shape[1], dtype=torch.int64, device=probs.device)
     h = _mix32(_mix32(v ^ keys[:, :1]) ^ keys[:, 1:])  # [N, V] in [0, 2^32)
-    u = ((h >> 8).to(torch.float32) + 0.5) * 2.0**-24  # exact: 24 bits, then a power of 2
+    # 23 bits and a half: exact in float32's 24, then a power of 2; u < 1, so E > 0 (with 24
+    # bits, 2^24 - 1 + 0.5 rounded up to 2^24: u = 1, E = 0 and a zero probability won).
+    u = ((h >> 9).to(torch.float32) + 0.5) * 2.0**-23
     return probs / (0.0 - _log(u))
 
 
