@@ -467,3 +467,20 @@ def test_a_request_whose_grammar_failed_is_not_taken_for_an_output_length(tiny_m
     assert not speculator.lengths
     llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=9, ignore_eos=True))
     assert list(speculator.lengths) == [9]
+
+
+def test_a_completed_grammar_keeps_its_end_of_sequence_mask_for_every_draft(tiny_model_dir):
+    """Once a grammar is complete only the end of the sequence is allowed; with ignore_eos
+    the request goes on emitting it. n-gram drafts of that run are verified against masks
+    that allow only it too: the rows after the first had been left unconstrained, and the
+    output went on with free text ('625-9414 dismantling()))...')."""
+    path, _ = tiny_model_dir("llama-gqa")
+    sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True,
+                        structured_outputs=StructuredOutputsParams(regex=r"[0-9]{3}-[0-9]{4}"))
+    want = LLM(str(path), max_model_len=256, num_kv_blocks=64).generate([[5000]], sp)
+    llm = LLM(str(path), max_model_len=256, num_kv_blocks=64,
+              speculative_config={**NGRAM, "prompt_lookup_max": 2})
+    speculate_always(llm.engine.speculator)
+    got = llm.generate([[5000]], sp)
+    assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+    assert llm.engine.stats().spec_accepted_tokens > 0

@@ -77,6 +77,11 @@ class GrammarBackend:
                 self._fill(s.request_id, matcher, bitmask[row + j])
                 if j < walked:
                     matcher.consume_token(drafts[j])
+            if matcher.is_stopped():
+                # The grammar is complete: its mask allows only the end of the sequence, and
+                # an end-of-sequence draft is not walked (a stopped matcher takes no token)
+                # yet may be accepted (with ignore_eos): every later row keeps that mask.
+                bitmask[row + walked + 1:row + s.num_draft_tokens + 1] = bitmask[row + walked]
             if walked:
                 matcher.rollback(walked)
             row += s.num_draft_tokens + 1  # rows past a forbidden draft stay all-allowed
