@@ -106,6 +106,25 @@ def test_compiled_rows_do_not_depend_on_the_chunk(kv_dtype: str, window: int | N
         _check_chunks(kv_dtype, window, n)
 
 
+@pytest.mark.parametrize("window", [None, 24])
+@pytest.mark.parametrize("kv_dtype", ["float32", "int8"])
+def test_torch_paged_rows_do_not_depend_on_the_chunk(kv_dtype: str, window: int | None):
+    """The PyTorch backend's rows (block sizes the compiled kernel does not take, or no
+    compiled kernels) are the same as a decode and inside a prefill chunk: a row's products
+    are its own (one product of a whole chunk had its sums blocked differently by MKL, and a
+    request's tokens changed with the chunk size)."""
+    for n in (46, 300):
+        kv, q, blocks, num_blocks = _problem({0: n})
+
+        def cache(num_blocks: int = num_blocks) -> PagedKVCache:
+            return PagedKVCache.allocate(kv_dtype, num_blocks, BS, HKV, D, torch.device("cpu"))
+
+        whole = _run("torch_paged", [(0, n, blocks[0])], cache(), kv, q, window)[0]
+        for n_query in (1, 3, 13, 37):
+            part = _run("torch_paged", [(0, n_query, blocks[0])], cache(), kv, q, window)[0]
+            assert torch.equal(part, whole[-n_query:]), (n, n_query)
+
+
 def _check_chunks(kv_dtype: str, window: int | None, n: int) -> None:
     lengths = {0: n}
     kv, q, blocks, num_blocks = _problem(lengths)

@@ -211,14 +211,14 @@ def _attend(q: torch.Tensor, kv_cache: PagedKVCache, group: AttentionGroup,
         for start, end, mask_from, visible in tiles:
             rows = end - start
             q_t = q_hm[:, h, start:end].reshape(b, rows * group_size, head_dim)
-            scores = torch.bmm(q_t, k_h[:, :visible].transpose(1, 2))  # [G, rows*gs, Lt]
+            scores = _row_products(q_t, k_h[:, :visible].transpose(1, 2), rows)
             scores = scores.view(b, rows, group_size, visible)
             if mask_from < visible:
                 scores[..., mask_from:].masked_fill_(
                     mask[:, start:end, None, mask_from:visible], float("-inf"))
             probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
             o = _chunked_pv(probs.view(b, rows * group_size, visible), v_h[:, :visible],
-                            group.key_chunk)
+                            group.key_chunk, rows)
             out[:, start:end, h] = o.view(b, rows, group_size, head_dim)
     out = out.view(b * qm, num_heads * head_dim)
     if group.q_index is not None:
@@ -226,20 +226,40 @@ def _attend(q: torch.Tensor, kv_cache: PagedKVCache, group: AttentionGroup,
     return out
 
 
-def _chunked_pv(probs: torch.Tensor, values: torch.Tensor, chunk: int) -> torch.Tensor:
+def _chunked_pv(probs: torch.Tensor, values: torch.Tensor, chunk: int,
+                rows: int) -> torch.Tensor:
     """``probs`` [G, R, L] times ``values`` [G, L, D], summed over ``L`` chunk by chunk in
     order (``L`` is a multiple of ``chunk``): one batched product of [R, chunk] x
-    [chunk, D] per chunk, then a sequential sum of the chunk results."""
+    [chunk, D] per chunk (each of the ``rows`` query rows its own, ``_row_products``), then
+    a sequential sum of the chunk results."""
     g, r, length = probs.shape
     n = length // chunk
     if n == 1:
-        return torch.bmm(probs, values)
+        return _row_products(probs, values, rows)
     p = probs.view(g, r, n, chunk).transpose(1, 2).reshape(g * n, r, chunk)
     v = values.reshape(g * n, chunk, values.shape[-1])
-    parts = torch.bmm(p, v).view(g, n, r, -1)
+    parts = _row_products(p, v, rows).view(g, n, r, -1)
     out = parts[:, 0].clone()
     for i in range(1, n):
         out += parts[:, i]
+    return out
+
+
+def _row_products(a: torch.Tensor, b: torch.Tensor, rows: int) -> torch.Tensor:
+    """``a`` [G, R, K] times ``b`` [G, K, N] for R = ``rows`` query rows of R / rows
+    matrix rows each (a query row's heads that share a KV head): one product per query row,
+    of the same shape whether the row is a decode alone or one of a prefill chunk's. One
+    product of all R rows would be faster, but MKL blocks a product's sums by its number of
+    rows, and a row's result would change in its last bits between the two (a token could
+    then change with the chunk size)."""
+    if rows == 1:
+        return torch.bmm(a, b)
+    g, r, k = a.shape
+    per = r // rows
+    out = a.new_empty(g, r, b.shape[-1])
+    for i in range(g):  # b[i] read by every row's product, not copied (a stride of 0)
+        torch.bmm(a[i].view(rows, per, k), b[i].expand(rows, *b.shape[1:]),
+                  out=out[i].view(rows, per, -1))
     return out
 
 
