@@ -254,3 +254,22 @@ def test_an_api_key_of_nothing_is_refused():
     with pytest.raises(ValueError, match="--api-key starts or ends with white space"):
         ServerConfig(api_key=" sk-1")
     assert ServerConfig(api_key="sk-1").api_key == "sk-1"
+
+
+def test_ray_replicas_get_the_chat_template_s_text_checked_on_the_driver(tmp_path,
+                                                                          tiny_model_dir):
+    """--chat-template with --replicas: read where the command runs (the replicas may be on
+    other machines), checked, and handed on as the template's text."""
+    from llmserve.config import EngineConfig, ModelConfig, ServerConfig
+    from llmserve.ray_serve.launcher import _check_chat_template
+
+    model = str(tiny_model_dir("llama-gqa")[0])
+    engine = EngineConfig(model=ModelConfig(model=model))
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    config = _check_chat_template(engine, ServerConfig(chat_template=str(template)),
+                                  local=False)
+    assert config.chat_template == template.read_text()
+    template.write_text("{{ oops }")
+    with pytest.raises(ValueError, match="--chat-template does not parse"):
+        _check_chat_template(engine, ServerConfig(chat_template=str(template)), local=False)

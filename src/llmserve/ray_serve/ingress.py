@@ -18,7 +18,7 @@ from llmserve.ray_serve.client import RayEngineClient
 from llmserve.ray_serve.metrics import ClusterMetrics
 from llmserve.ray_serve.reports import replica_reports
 from llmserve.server.app import ServerState, build_app
-from llmserve.server.launcher import open_accounts
+from llmserve.server.launcher import open_accounts, use_chat_template
 
 logger = get_logger(__name__)
 
@@ -27,7 +27,9 @@ class Ingress:
     async def __init__(self, engine: Any, engine_config: EngineConfig,
                        config: ServerConfig) -> None:
         model_name = config.served_model_name or engine_config.model.model
-        self.engine = RayEngineClient(engine, load_tokenizer(engine_config.model.model))
+        tokenizer = load_tokenizer(engine_config.model.model)
+        use_chat_template(tokenizer, config.chat_template, engine_config.model.model)
+        self.engine = RayEngineClient(engine, tokenizer)
         # The replicas load the model meanwhile: until one is ready the app answers 503
         # (not ready yet), as the single server does while its engine starts; Ray's proxy
         # has the route as soon as this constructor returns.

@@ -14,6 +14,7 @@ shut down, and the exit code is 0.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import threading
@@ -195,20 +196,22 @@ def check_cluster_resources(available: dict[str, float], ray_config: RayServeCon
 
 
 def _check_chat_template(engine_config: EngineConfig, config: ServerConfig, *,
-                         local: bool) -> None:
-    """The model's chat template parses (as the single server checks at start; on a local
-    cluster only: another cluster's nodes may hold files this one lacks); the ingress
-    renders the model's own, so --chat-template is refused rather than ignored."""
+                         local: bool) -> ServerConfig:
+    """The chat template parses, as the single server checks at start: --chat-template's
+    (read here, on the driver: the config the replicas get holds its text, not a path), and
+    on a local cluster the model's own (another cluster's nodes may hold files this one
+    lacks)."""
     from llmserve.models.loader import load_tokenizer
     from llmserve.server.launcher import use_chat_template
+    from llmserve.tokenizer.chat_template import read_chat_template
 
-    if config.chat_template is not None:
-        raise ValueError("--chat-template is not supported with --replicas yet: the replicas "
-                         "render the model's own chat template")
-    if not local:
-        return
     model = engine_config.model.model
-    use_chat_template(load_tokenizer(model), None, model)
+    if config.chat_template is not None:
+        config = dataclasses.replace(config,
+                                     chat_template=read_chat_template(config.chat_template))
+    if local or config.chat_template is not None:
+        use_chat_template(load_tokenizer(model), config.chat_template, model)
+    return config
 
 
 def _connect(ray_config: RayServeConfig) -> None:
@@ -238,7 +241,7 @@ def serve_on_ray(engine_config: EngineConfig, config: ServerConfig,
 
     # Ray installs its own SIGTERM handler when it starts; ours replaces it, and it is in
     # place before the deployment starts (a signal during start-up drains once it is up).
-    _check_chat_template(engine_config, config, local=ray_config.address is None)
+    config = _check_chat_template(engine_config, config, local=ray_config.address is None)
     _connect(ray_config)
     try:
         import ray
