@@ -140,4 +140,24 @@ def test_a_run_where_nothing_completes_says_why_and_fails(tiny_server, tmp_path)
                   "--concurrency", "1", "--reset-prefix-cache", "--output",
                   str(tmp_path / "d.json"), "--no-progress", "--warmup", "0")
     assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
-    assert "--reset-prefix-cache: cannot reach" in proc.stderr, proc.stderr
+    # The server is tried before the run: one line naming it, no result written.
+    assert f"--base-url: cannot reach {down}/v1/models" in proc.stderr, proc.stderr
+    assert not (tmp_path / "d.json").exists()
+
+
+def test_the_server_is_tried_first_and_a_missing_key_named(tiny_server, tmp_path):
+    out = tmp_path / "k.json"
+    for key, says in (((), "the server needs an API key: pass it with --api-key"),
+                      (("--api-key", "sk-wrong"), "the key given with --api-key was refused")):
+        proc = _bench("serve", "--base-url", tiny_server.url, *key, "--num-prompts", "2",
+                      "--concurrency", "1", "--output", str(out), "--no-progress")
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+        assert f"GET {tiny_server.v1}/models answered 401: {says}" in proc.stderr, proc.stderr
+        assert not out.exists()
+    # Against the same server, a sweep whose every request fails says so and fails.
+    proc = _bench("sweep", "--base-url", tiny_server.url, "--api-key", API_KEY, "--model",
+                  "nosuch", "--concurrency", "1,2", "--num-prompts", "2", "--input-len", "4",
+                  "--output-len", "2", "--output-dir", str(tmp_path / "s"), "--no-progress",
+                  "--warmup", "0")
+    assert proc.returncode == 1, proc.stderr
+    assert "no request completed at any level" in proc.stderr, proc.stderr

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from llmserve.bench.offline import MODES
 from llmserve.bench.workloads import WORKLOADS
@@ -101,31 +104,63 @@ def _arrival_args(p: argparse.ArgumentParser) -> None:
 
 
 def _target(args: argparse.Namespace):
+    """The server to load, after one request to it: GET {base}/v1/models, as a run would
+    otherwise send every request to a server that cannot answer them."""
     from llmserve.bench.client import Target
 
-    base = args.base_url.rstrip("/")
-    if not base.endswith("/v1"):
-        base += "/v1"
-    model = args.model or _first_model(base, args.api_key)
+    base = _base_url(args.base_url)
+    model = _probe(base, args.model, args.api_key)
     return Target(base, model, args.endpoint, args.api_key, not args.no_ignore_eos,
                   args.temperature, args.timeout)
 
 
-def _first_model(base: str, api_key: str | None) -> str | None:
+def _base_url(url: str) -> str:
+    base = url.strip().rstrip("/")
+    parts = urlsplit(base)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"--base-url must be an http:// or https:// URL with a host, e.g. "
+                         f"http://127.0.0.1:8000 (or .../v1); got {url!r}")
+    return base if base.endswith("/v1") else base + "/v1"
+
+
+def _probe(base: str, model: str | None, api_key: str | None) -> str | None:
+    """Check that ``base`` answers; return ``model``, or the first model the server lists."""
     import httpx
 
+    url = f"{base}/models"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        data = httpx.get(f"{base}/models", headers=headers, timeout=10).json()
-        return data["data"][0]["id"]
-    except (httpx.HTTPError, KeyError, IndexError, ValueError):
-        return None
+        r = httpx.get(url, headers=headers, timeout=10)
+    except (httpx.HTTPError, httpx.InvalidURL) as e:
+        raise ValueError(f"--base-url: cannot reach {url} ({type(e).__name__}: {e})") from None
+    if r.status_code in (401, 403):
+        hint = ("the key given with --api-key was refused" if api_key
+                else "the server needs an API key: pass it with --api-key")
+        raise ValueError(f"--base-url: GET {url} answered {r.status_code}: {hint}")
+    if r.status_code in (404, 405):
+        if model is None:
+            raise ValueError(f"--base-url: GET {url} answered {r.status_code}: no model list "
+                             "there; check --base-url (the server's root or its /v1), or "
+                             "name the model with --model")
+        print(f"warning: GET {url} answered {r.status_code}; sending to it anyway, "
+              f"with --model {model}", file=sys.stderr)
+        return model
+    if r.status_code != 200:
+        raise ValueError(f"--base-url: GET {url} answered {r.status_code}: {r.text[:200]}")
+    if model is not None:
+        return model
+    try:
+        return r.json()["data"][0]["id"]
+    except (KeyError, IndexError, TypeError, ValueError):
+        return None  # no model named: the server picks its own (llmserve serves one)
 
 
 def _workload(args: argparse.Namespace):
     from llmserve.bench.workloads import WorkloadSpec, build_workload
 
-    n = args.num_prompts or (10000 if args.duration else 100)
+    n = args.num_prompts
+    if n is None:
+        n = 10000 if args.duration else 100
     spec = WorkloadSpec(args.workload, n, args.input_len, args.output_len, args.range_ratio,
                         args.prefix_len, args.num_prefixes, args.dataset, args.seed)
     return spec, build_workload(spec)
@@ -161,17 +196,88 @@ def _run_point(args: argparse.Namespace, target, spec, requests, arrivals) -> di
     return result
 
 
+def _check_target_args(args: argparse.Namespace) -> None:
+    """What the target flags allow, before anything is sent or written."""
+    _base_url(args.base_url)
+    if not (args.timeout > 0 and math.isfinite(args.timeout)):
+        raise ValueError(f"--timeout must be a number of seconds > 0, got {args.timeout}")
+    if not args.temperature >= 0:
+        raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
+    from llmserve.bench.metrics import parse_slo
+
+    parse_slo(args.slo)
+
+
+def _check_output_file(path: Path, flag: str) -> None:
+    """``path`` can be written: its directory exists and is writable, and it is no
+    directory itself. Checked before a run, whose results would otherwise be lost."""
+    if path.is_dir():
+        raise ValueError(f"{flag}: {path} is a directory; give the path of a file")
+    parent = path.parent
+    if not parent.is_dir():
+        raise ValueError(f"{flag}: the directory {parent} of {path} does not exist; create "
+                         "it first or choose another path")
+    if not os.access(parent, os.W_OK | os.X_OK) or (path.exists()
+                                                     and not os.access(path, os.W_OK)):
+        raise ValueError(f"{flag}: cannot write {path}: permission denied")
+
+
+def _check_output_dir(path: Path, flag: str) -> None:
+    """``path`` is a writable directory, or can be created as one (not created here)."""
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{flag}: {path} exists and is not a directory")
+    existing = path.absolute()
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ValueError(f"{flag}: cannot create {path}: {existing} is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag}: cannot write in {existing}: permission denied")
+
+
+def _sweep_arrivals(args: argparse.Namespace) -> list:
+    """One Arrivals per level of ``--concurrency 1,4,16`` or ``--request-rate 1,2,inf``."""
+    from llmserve.bench.runner import Arrivals
+    from llmserve.bench.workloads import level_seed
+
+    if (args.concurrency is None) == (args.request_rate is None):
+        raise ValueError("give exactly one of --concurrency or --request-rate (comma lists)")
+    flag = "--concurrency" if args.concurrency is not None else "--request-rate"
+    text = args.concurrency if args.concurrency is not None else args.request_rate
+    levels = []
+    for i, v in enumerate(text.split(",")):
+        v = v.strip()
+        try:
+            number = int(v) if flag == "--concurrency" else float(v)
+        except ValueError:
+            allowed = ("integers >= 1, e.g. 1,4,16" if flag == "--concurrency"
+                       else "numbers > 0 (or inf), e.g. 1,2,inf")
+            raise ValueError(f"{flag}: {v!r} is not a number; give a comma-separated list "
+                             f"of {allowed}") from None
+        seed = level_seed(args.seed, i)
+        if flag == "--concurrency":
+            levels.append((v, Arrivals(concurrency=number, duration=args.duration,
+                                       warmup=args.warmup, seed=seed)))
+        else:
+            levels.append((v, Arrivals(request_rate=number, burstiness=args.burstiness,
+                                       duration=args.duration, warmup=args.warmup,
+                                       seed=seed)))
+    return levels
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     from llmserve.bench.report import summary_table
     from llmserve.bench.runner import Arrivals
 
     arrivals = Arrivals(args.concurrency, args.request_rate, args.burstiness,
                         args.max_concurrency, args.duration, args.warmup, args.seed)
-    target = _target(args)
+    _check_target_args(args)
     spec, requests = _workload(args)
+    out = Path(args.output or f"bench-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    _check_output_file(out, "--output")
+    target = _target(args)
     result = _run_point(args, target, spec, requests, arrivals)
     print(summary_table(result))
-    out = Path(args.output or f"bench-{time.strftime('%Y%m%d-%H%M%S')}.json")
     out.write_text(json.dumps(result, indent=1))
     print(f"results: {out}")
     if result["summary"]["completed"] == 0:
@@ -182,33 +288,25 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_sweep(args: argparse.Namespace) -> int:
-    from llmserve.bench.report import plot_sweeps, summary_table
-    from llmserve.bench.runner import Arrivals
-
-    if (args.concurrency is None) == (args.request_rate is None):
-        raise ValueError("give exactly one of --concurrency or --request-rate (comma lists)")
     from dataclasses import replace
 
-    from llmserve.bench.workloads import build_workload, level_seed
+    from llmserve.bench.report import plot_sweeps, summary_table
+    from llmserve.bench.workloads import build_workload
 
-    target = _target(args)
+    levels = _sweep_arrivals(args)
+    _check_target_args(args)
     spec, _ = _workload(args)
     out_dir = Path(args.output_dir)
+    _check_output_dir(out_dir, "--output-dir")
+    target = _target(args)
     out_dir.mkdir(parents=True, exist_ok=True)
     label = args.label or target.base_url
     points = []
-    values = (args.concurrency or args.request_rate).split(",")
-    for i, v in enumerate(values):
+    for v, arrivals in levels:
         # Each level its own prompts: a level that repeated another's would be answered
         # in part from the prefix cache.
-        level = replace(spec, seed=level_seed(args.seed, i))
+        level = replace(spec, seed=arrivals.seed)
         requests = build_workload(level)
-        if args.concurrency:
-            arrivals = Arrivals(concurrency=int(v), duration=args.duration, warmup=args.warmup,
-                                seed=level.seed)
-        else:
-            arrivals = Arrivals(request_rate=float(v), burstiness=args.burstiness,
-                                duration=args.duration, warmup=args.warmup, seed=level.seed)
         result = _run_point(args, target, level, requests, arrivals)
         result["label"] = label
         print(summary_table(result), flush=True)
@@ -223,13 +321,22 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     (out_dir / "sweep.json").write_text(json.dumps(sweep, indent=1))
     plot_sweeps([sweep], out_dir / "sweep.png", f"{label}: {spec.describe()}")
     print(f"sweep: {out_dir / 'sweep.json'}, plot: {out_dir / 'sweep.png'}")
+    failed = [p["arrivals_label"] for p in points if p["summary"]["completed"] == 0]
+    if failed:
+        which = "any level" if len(failed) == len(points) else ", ".join(failed)
+        print(f"llmserve bench: error: no request completed at {which} (see the errors "
+              "above)", file=sys.stderr)
+        return 1
     return 0
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
-    from llmserve.bench.report import compare_markdown, load, plot_sweeps
+    from llmserve.bench.report import check_plot_path, compare_markdown, load, plot_sweeps
 
     sweeps = [load(f) for f in args.files]
+    _check_output_file(Path(args.output), "--output")
+    _check_output_file(Path(args.plot), "--plot")
+    check_plot_path(args.plot)
     table = compare_markdown(sweeps)
     Path(args.output).write_text(table + "\n")
     plot_sweeps(sweeps, args.plot, args.title)
@@ -241,10 +348,23 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 def _cmd_offline(args: argparse.Namespace) -> int:
     from llmserve.bench.offline import offline_table, run_offline
 
+    for flag, value in (("--num-requests", args.num_requests),
+                        ("--max-num-seqs", args.max_num_seqs),
+                        ("--max-num-batched-tokens", args.max_num_batched_tokens)):
+        if value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
+    if not (args.kv_cache_memory > 0 and math.isfinite(args.kv_cache_memory)):
+        raise ValueError(f"--kv-cache-memory must be > 0 GiB, got {args.kv_cache_memory}")
+    modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
+    unknown = [m for m in modes if m not in MODES]
+    if unknown or not modes:
+        raise ValueError(f"--modes must be some of {', '.join(MODES)} (comma-separated); "
+                         f"got {args.modes!r}")
+    if args.output:
+        _check_output_file(Path(args.output), "--output")
     report = run_offline(args.model, args.num_requests, args.seed, args.kv_cache_memory,
                          args.max_num_seqs, args.max_num_batched_tokens,
-                         quantization=args.quantization,
-                         modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()))
+                         quantization=args.quantization, modes=modes)
     print(offline_table(report))
     if args.output:
         Path(args.output).write_text(json.dumps(report, indent=1))

@@ -44,7 +44,33 @@ def _ms(v: float | None) -> str:
 
 
 def load(path: str | Path) -> dict[str, Any]:
-    return json.loads(Path(path).read_text())
+    """A sweep.json of ``llmserve bench sweep`` or a result of ``llmserve bench serve``;
+    anything else is a ValueError that names the file."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError) as e:
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise ValueError(f"cannot read {path}: {reason}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not JSON ({e})") from None
+    points = data.get("points", [data]) if isinstance(data, dict) else None
+    if not (isinstance(points, list) and points and all(
+            isinstance(p, dict) and isinstance(p.get("summary"), dict)
+            and isinstance(p.get("arrivals"), dict) for p in points)):
+        raise ValueError(f"{path}: not a benchmark result: expected the sweep.json of "
+                         "`llmserve bench sweep` or the JSON of `llmserve bench serve`")
+    return data
+
+
+def check_plot_path(path: str | Path) -> None:
+    """A plot file name whose suffix matplotlib can write (checked before any work)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    kinds = FigureCanvasAgg.get_supported_filetypes()
+    suffix = Path(path).suffix.lstrip(".").lower()
+    if suffix not in kinds:
+        raise ValueError(f"--plot: cannot write a plot as {path}: the name must end in one "
+                         f"of {', '.join('.' + k for k in sorted(kinds))}")
 
 
 def sweep_points(data: dict[str, Any]) -> list[dict[str, Any]]:
@@ -73,7 +99,8 @@ def plot_sweeps(sweeps: list[dict[str, Any]], path: str | Path, title: str) -> N
                                     textcoords="offset points", xytext=(3, 3))
         ax.set_xlabel("output throughput (tokens/s)")
         ax.set_ylabel(f"{metric.upper()} (ms)")
-        ax.set_yscale("log")
+        if any(y > 0 for line in ax.get_lines() for y in line.get_ydata()):
+            ax.set_yscale("log")  # (no positive value: a run where nothing completed)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(title)

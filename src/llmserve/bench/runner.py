@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 import sys
 import time
@@ -32,10 +33,16 @@ class Arrivals:
             raise ValueError("give exactly one of --concurrency or --request-rate")
         if self.concurrency is not None and self.concurrency < 1:
             raise ValueError(f"--concurrency must be >= 1, got {self.concurrency}")
-        if self.request_rate is not None and self.request_rate <= 0:
-            raise ValueError(f"--request-rate must be > 0, got {self.request_rate}")
-        if self.burstiness <= 0:
+        if self.request_rate is not None and not self.request_rate > 0:
+            raise ValueError(f"--request-rate must be > 0 (or inf), got {self.request_rate}")
+        if not (self.burstiness > 0 and math.isfinite(self.burstiness)):
             raise ValueError(f"--burstiness must be > 0, got {self.burstiness}")
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise ValueError(f"--max-concurrency must be >= 1, got {self.max_concurrency}")
+        if self.duration is not None and not self.duration > 0:
+            raise ValueError(f"--duration must be > 0 seconds, got {self.duration}")
+        if self.warmup < 0:
+            raise ValueError(f"--warmup must be >= 0, got {self.warmup}")
 
     def label(self) -> str:
         if self.concurrency is not None:

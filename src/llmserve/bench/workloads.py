@@ -38,6 +38,19 @@ class WorkloadSpec:
     jsonl_path: str | None = None  # jsonl: one {"prompt": ..., "max_tokens": ...} a line
     seed: int = 0
 
+    def __post_init__(self) -> None:
+        """The ranges the flags of ``llmserve bench`` allow (named by their flags)."""
+        for flag, value, least in (("--num-prompts", self.num_requests, 1),
+                                   ("--input-len", self.input_len, 1),
+                                   ("--output-len", self.output_len, 1),
+                                   ("--prefix-len", self.prefix_len, 0),
+                                   ("--num-prefixes", self.num_prefixes, 1)):
+            if value < least:
+                raise ValueError(f"{flag} must be >= {least}, got {value}")
+        if not 0 <= self.range_ratio < 1:
+            raise ValueError(f"--range-ratio must be in [0, 1): lengths are drawn from "
+                             f"[len * (1 - r), len * (1 + r)]; got {self.range_ratio}")
+
     def describe(self) -> str:
         if self.name == "grounded":
             return (f"grounded: {self.num_requests} requests, tasks {', '.join(GROUNDED_TASKS)} "
@@ -113,18 +126,26 @@ def build_workload(spec: WorkloadSpec) -> list[BenchRequest]:
 def _from_jsonl(spec: WorkloadSpec) -> list[BenchRequest]:
     if not spec.jsonl_path:
         raise ValueError("the jsonl workload needs --dataset PATH")
+    try:
+        text = Path(spec.jsonl_path).read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise ValueError(f"--dataset: cannot read {spec.jsonl_path}: {reason}") from None
     reqs = []
-    for i, line in enumerate(Path(spec.jsonl_path).read_text().splitlines()):
+    for i, line in enumerate(text.splitlines()):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
             prompt = row["prompt"]
-        except (json.JSONDecodeError, KeyError, TypeError):
+            max_tokens = int(row.get("max_tokens", spec.output_len))
+            if not isinstance(prompt, str) or max_tokens < 1:
+                raise TypeError
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError):
             raise ValueError(f"{spec.jsonl_path}:{i + 1}: expected a JSON object with a "
-                             "'prompt'") from None
-        reqs.append(BenchRequest(prompt, len(prompt.split()),
-                                 int(row.get("max_tokens", spec.output_len))))
+                             "'prompt' (a string) and optionally 'max_tokens' (an integer "
+                             ">= 1)") from None
+        reqs.append(BenchRequest(prompt, len(prompt.split()), max_tokens))
     if not reqs:
         raise ValueError(f"{spec.jsonl_path}: no prompts")
     return [reqs[i % len(reqs)] for i in range(spec.num_requests)]
