@@ -484,3 +484,18 @@ def test_a_completed_grammar_keeps_its_end_of_sequence_mask_for_every_draft(tiny
     got = llm.generate([[5000]], sp)
     assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
     assert llm.engine.stats().spec_accepted_tokens > 0
+
+
+def test_a_draft_model_starts_beside_a_small_kv_pool(tiny_model_dir):
+    """The draft times a 64-token history write at start in its last free blocks: with a
+    pool of five it took one block for 64 tokens (a slice from the wrong end) and start-up
+    failed with an IndexError."""
+    path, _ = tiny_model_dir("llama-gqa")
+    llm = LLM(str(path), block_size=16, num_kv_blocks=5, max_model_len=76,
+              max_num_batched_tokens=64,
+              speculative_config={"method": "draft", "model": str(path),
+                                  "num_speculative_tokens": 1,
+                                  "draft_kv_from_target": False})  # writes its histories
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    want = LLM(str(path), block_size=16, num_kv_blocks=5, max_model_len=76).generate([[7, 8]], sp)
+    assert llm.generate([[7, 8]], sp)[0].outputs[0].token_ids == want[0].outputs[0].token_ids

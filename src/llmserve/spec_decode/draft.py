@@ -284,7 +284,8 @@ class DraftProposer:
         """Seconds per token of writing a history into the draft's cache (best of a few
         passes of ``num_tokens``)."""
         num_tokens = max(min(num_tokens, len(self._free) * self.block_size), 1)
-        blocks = self._free[-(-num_tokens // self.block_size):]
+        count = -(-num_tokens // self.block_size)  # the blocks that hold them
+        blocks = self._free[len(self._free) - count:]
         item = ScheduledRequest("__timing__", [0] * num_tokens, 0, [blocks], False, _GREEDY)
         best = float("inf")
         for _ in range(3):
