@@ -128,6 +128,28 @@ def test_topk_logprobs(logits):
         assert lps[i].tolist() == pytest.approx([row[j] for j in ids[i].tolist()])
 
 
+def test_top_logprobs_break_ties_by_token_id_whatever_k():
+    """Equal values (a grammar's -inf, exact ties) come in token-id order, so a row's top j
+    are the first j of its top k for every k: the sampler takes the batch's largest k, and
+    a request's alternatives must not change with what the others asked for (they did:
+    topk(3) and topk(4) pick different tokens among ties)."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(6, 49152, generator=gen).round(decimals=1)  # many exact ties
+    x[1, 100:] = -math.inf  # a grammar left 100 tokens
+    x[2, 2:] = -math.inf  # ... or 2: the top 4 hold masked ones
+    x[3] = 0.0  # every token equal
+    for k in (1, 3, 4, 5, 20):
+        values, ids = ops.ordered_topk(x, k)
+        for i in range(x.shape[0]):
+            row = x[i].tolist()
+            want = sorted(range(len(row)), key=lambda j: (-row[j], j))[:k]  # slow, obvious
+            assert ids[i].tolist() == want, (i, k)
+            assert values[i].tolist() == [row[j] for j in want]
+    chosen = torch.zeros(6, dtype=torch.int64)
+    few, many = ops.topk_logprobs(x, chosen, 3), ops.topk_logprobs(x, chosen, 5)
+    assert torch.equal(few[0], many[0][:, :4]) and torch.equal(few[1], many[1][:, :4])
+
+
 def _slow_argmax(row: list[float]) -> int:
     """The first NaN if any, else the first index of the largest value."""
     for i, x in enumerate(row):

@@ -202,6 +202,31 @@ def topk_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor,
     """
     chosen_lp = logprobs.gather(1, chosen.unsqueeze(1))
     rank = (logprobs > chosen_lp).sum(dim=1) + 1
-    top_lp, top_ids = logprobs.topk(k, dim=1) if k else (logprobs[:, :0], chosen[:, None][:, :0])
+    top_lp, top_ids = ordered_topk(logprobs, k)
     return (torch.cat([chosen.unsqueeze(1), top_ids], 1),
             torch.cat([chosen_lp, top_lp], 1), rank)
+
+
+def ordered_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest values of each row and their indices, largest first and equal values
+    in index order: so a row's first j of them are its top j whatever k is (the sampler
+    takes the batch's largest k and each row keeps its own). ``torch.topk`` breaks ties
+    differently for different k, and ties are common where a grammar masked tokens to -inf:
+    a request's alternatives had changed with what the others in its batch asked for."""
+    k = min(k, x.shape[1])
+    if k == 0:
+        return x[:, :0], torch.zeros(x.shape[0], 0, dtype=torch.int64, device=x.device)
+    top = x.topk(k, dim=1)
+    last = top.values[:, -1:]  # the k-th largest of each row
+    above = x > last
+    tied = x == last  # the first (k - above) of these, by index, complete the k
+    room = k - above.sum(dim=1, keepdim=True)
+    keep = above | (tied & (tied.cumsum(dim=1) <= room))
+    n = x.shape[1]
+    by_index = torch.where(keep, n - torch.arange(n, device=x.device), 0)  # distinct
+    ids = by_index.topk(k, dim=1).indices  # each row's k, in index order (no host sync)
+    values = x.gather(1, ids)
+    order = values.sort(dim=1, descending=True, stable=True).indices
+    values, ids = values.gather(1, order), ids.gather(1, order)
+    whole = keep.sum(dim=1, keepdim=True) == k  # not where a NaN compares with nothing
+    return torch.where(whole, values, top.values), torch.where(whole, ids, top.indices)
